@@ -1,0 +1,290 @@
+"""The run's settings: one typed dataclass tree, read from YAML plus `a.b=value` overrides.
+
+Every problem is reported as a single `ConfigError` line that names the key and the file,
+because a typo found after a 20-minute cluster launch is the most expensive kind of typo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing problem with the configuration."""
+
+
+def _range(lo: float | None = None, hi: float | None = None, choices: tuple = ()) -> dict:
+    return {"lo": lo, "hi": hi, "choices": choices}
+
+
+@dataclass
+class ModelConfig:
+    preset: str = field(default="tiny", metadata=_range(choices=("tiny", "small", "base", "350m", "1b")))
+    dim: int | None = field(default=None, metadata=_range(8))
+    n_layers: int | None = field(default=None, metadata=_range(1))
+    n_heads: int | None = field(default=None, metadata=_range(1))
+    n_kv_heads: int | None = field(default=None, metadata=_range(1))
+    ffn_dim: int | None = field(default=None, metadata=_range(8))
+    vocab_size: int = field(default=258, metadata=_range(2))
+    rope_base: float = field(default=10000.0, metadata=_range(1.0))
+    norm_eps: float = field(default=1e-5, metadata=_range(0.0, 1.0))
+    tie_embeddings: bool = True
+    checkpoint_every: int = field(default=0, metadata=_range(0))
+    dtype: str = field(default="float32", metadata=_range(choices=("float32", "bfloat16", "float16")))
+
+
+@dataclass
+class DataConfig:
+    source: str = field(default="builtin", metadata=_range(choices=("builtin", "shards", "synthetic")))
+    path: str | None = None
+    task: str = field(default="copy", metadata=_range(choices=("copy", "reverse", "sort", "count")))
+    seq_len: int = field(default=128, metadata=_range(4))
+    overlap: int = field(default=0, metadata=_range(0))
+    prefetch: int = field(default=4, metadata=_range(0, 1024))
+    eval_fraction: float = field(default=0.02, metadata=_range(0.0, 0.5))
+
+
+@dataclass
+class TrainConfig:
+    steps: int = field(default=300, metadata=_range(1))
+    batch_size: int = field(default=16, metadata=_range(1))
+    accum: int = field(default=1, metadata=_range(1))
+    global_batch: int | None = field(default=None, metadata=_range(1))
+    max_accum: int = field(default=64, metadata=_range(1))
+    lr: float = field(default=3e-3, metadata=_range(0.0, 10.0))
+    min_lr_ratio: float = field(default=0.1, metadata=_range(0.0, 1.0))
+    warmup_steps: int = field(default=20, metadata=_range(0))
+    schedule: str = field(default="cosine", metadata=_range(choices=("cosine", "linear", "constant")))
+    weight_decay: float = field(default=0.1, metadata=_range(0.0, 1.0))
+    beta1: float = field(default=0.9, metadata=_range(0.0, 1.0))
+    beta2: float = field(default=0.95, metadata=_range(0.0, 1.0))
+    eps: float = field(default=1e-8, metadata=_range(0.0, 1.0))
+    grad_clip: float = field(default=1.0, metadata=_range(0.0))
+    eval_every: int = field(default=100, metadata=_range(0))
+    eval_batches: int = field(default=4, metadata=_range(1))
+    log_every: int = field(default=10, metadata=_range(1))
+    early_stop_patience: int = field(default=0, metadata=_range(0))
+    early_stop_min_delta: float = field(default=0.0, metadata=_range(0.0))
+    seed: int = field(default=0, metadata=_range(0))
+    out_dir: str = "runs/default"
+    progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = field(default=100, metadata=_range(0))
+    keep_last: int = field(default=3, metadata=_range(1))
+    keep_best: bool = True
+    zstd_level: int = field(default=3, metadata=_range(1, 22))
+    resume: str = "none"
+
+
+@dataclass
+class NodeConfig:
+    batch_size: int = field(default=16, metadata=_range(1))
+    memory_target: float | None = field(default=None, metadata=_range(0.05, 1.0))
+
+
+@dataclass
+class DistConfig:
+    backend: str = field(default="auto", metadata=_range(choices=("auto", "mlx-mpi", "mlx-ring", "mpi4py")))
+    bucket_mb: float = field(default=25.0, metadata=_range(0.01))
+    wire_dtype: str = field(default="float32", metadata=_range(choices=("float32", "bfloat16", "float16")))
+    sync_weights_every: int = field(default=50, metadata=_range(0))
+    stall_timeout_s: float = field(default=120.0, metadata=_range(1.0))
+    ring_connections: int = field(default=1, metadata=_range(1, 16))
+
+
+@dataclass
+class ControlConfig:
+    adapt_batch: bool = False
+    memory_target: float = field(default=0.85, metadata=_range(0.05, 1.0))
+    min_batch: int = field(default=1, metadata=_range(1))
+    max_batch: int = field(default=256, metadata=_range(1))
+    balance: bool = False
+    balance_interval: int = field(default=5, metadata=_range(1))
+    balance_hysteresis: float = field(default=0.05, metadata=_range(0.0, 1.0))
+    clear_cache_every: int = field(default=100, metadata=_range(0))
+    max_bad_steps: int = field(default=3, metadata=_range(1))
+    rollback_lr_scale: float = field(default=0.5, metadata=_range(0.0, 1.0))
+
+
+@dataclass
+class MetricsConfig:
+    port: int = field(default=9400, metadata=_range(0, 65535))
+    bind: str = "0.0.0.0"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    nodes: dict[str, NodeConfig] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def node_for(self, host: str) -> NodeConfig:
+        """Settings of the `nodes:` entry matching `host` (exact, short name, then glob)."""
+        short = host.split(".")[0]
+        for key in (host, short):
+            if key in self.nodes:
+                return self.nodes[key]
+        for pattern, node in self.nodes.items():
+            if fnmatch.fnmatch(host, pattern) or fnmatch.fnmatch(short, pattern):
+                return node
+        if "default" in self.nodes:
+            return self.nodes["default"]
+        return NodeConfig(batch_size=self.train.batch_size)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return _build(tp, value, where)
+    if origin is dict:
+        _, vtp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of name -> settings, got {value!r}")
+        return {str(k): _coerce(v, vtp, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _check_range(f: dataclasses.Field, value: Any, where: str) -> None:
+    meta = f.metadata
+    if value is None or not meta:
+        return
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{where}: {value!r} is below the minimum {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{where}: {value!r} is above the maximum {hi}")
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            prefix = f"{where}." if where else ""
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{prefix}{key}'{hint}")
+        path = f"{where}.{key}" if where else key
+        kwargs[key] = _coerce(value, hints[key], path)
+        _check_range(fields[key], kwargs[key], path)
+    return cls(**kwargs)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_override(text: str) -> dict:
+    """`train.lr=3e-4` -> {"train": {"lr": 0.0003}}; the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected key=value, e.g. train.lr=3e-4")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and raw.strip().lower() in ("none", "null"):
+        value = None
+    out: dict = {}
+    node = out
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- overrides, then validated; errors name the key and file."""
+    data: dict = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{source}: config file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{source}:{line} is not valid YAML") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: expected a mapping at the top level")
+        data = loaded
+    for text in overrides or []:
+        data = _merge(data, parse_override(text))
+    try:
+        cfg = _build(Config, data, "")
+        validate(cfg)
+    except ConfigError as e:
+        src = source if not overrides else f"{source} + overrides"
+        raise ConfigError(f"{src}: {e}") from None
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a single field's range cannot express."""
+    if cfg.data.overlap >= cfg.data.seq_len:
+        raise ConfigError(f"data.overlap: {cfg.data.overlap} must be below data.seq_len ({cfg.data.seq_len})")
+    if cfg.data.source == "shards" and not cfg.data.path:
+        raise ConfigError("data.path: required when data.source is 'shards' (run `python -m mlxdist.prepare` first)")
+    if cfg.control.min_batch > cfg.control.max_batch:
+        raise ConfigError("control.min_batch: must not exceed control.max_batch")
+    if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
+        raise ConfigError(f"checkpoint.resume: '{cfg.checkpoint.resume}' does not exist (use 'auto', 'none' or a checkpoint dir)")
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a Config saved in a checkpoint (already validated when it was saved)."""
+    return _build(Config, data, "")

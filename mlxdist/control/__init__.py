@@ -1,0 +1,36 @@
+"""Pure-Python decision policies of the trainer (no MLX, no MPI).
+
+Each stateful policy has ``state_dict``/``load_state_dict`` with JSON-safe
+contents, so a checkpoint resumes its future decisions exactly.
+"""
+
+from .balancer import LoadBalancer
+from .batch_size import BatchSizeController, BatchSizeError, Decision
+from .early_stop import EarlyStopping
+from .health import HealthMonitor, HealthVerdict, ReduceOnPlateau
+from .schedule import LRSchedule, lr_at
+from .split import (
+    AccumulationController,
+    AccumulationError,
+    accumulation_steps,
+    micro_batches,
+    proportional_split,
+)
+
+__all__ = [
+    "AccumulationController",
+    "AccumulationError",
+    "BatchSizeController",
+    "BatchSizeError",
+    "Decision",
+    "EarlyStopping",
+    "HealthMonitor",
+    "HealthVerdict",
+    "LRSchedule",
+    "LoadBalancer",
+    "ReduceOnPlateau",
+    "accumulation_steps",
+    "lr_at",
+    "micro_batches",
+    "proportional_split",
+]

@@ -1,0 +1,395 @@
+"""Single-node PyTorch engine (CUDA, MPS or CPU) with the MLX engine's exact step contract.
+
+Why it exists: the same config and checkpoints can be trained on an NVIDIA box or a
+single Mac through torch, and compared number-for-number with the MLX engine. For that
+the two must share parameter names, initial weights, the summed-loss gradient
+convention of `base.py`, and AdamW math (decoupled decay on ndim >= 2 parameters,
+bias-corrected moments stored as `m.<param>` / `v.<param>`).
+
+Speed knobs and their defaults (each printed by `describe()`):
+  * TF32 matmuls/convolutions on CUDA: on, because the master weights and optimizer stay
+    fp32 and TF32's 10-bit mantissa is far below the noise of SGD; set `MLXDIST_TF32=0` to
+    get bit-for-bit fp32 matmuls (e.g. when comparing against the MLX engine).
+  * `torch.compile` of the model forward: on for CUDA, off for MPS/CPU (slow to compile,
+    little gain there); any non-empty `DISABLE_COMPILE` other than "0" turns it off.
+  * `model.dtype`: bfloat16 -> autocast bf16; float16 -> autocast fp16 + GradScaler.
+    Master weights are always fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config import Config
+from ..models.init import initial_weights, param_shapes
+from ..models.presets import ModelArgs
+from ..models.torch_model import Transformer
+from .base import StepStats
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _cuda_missing_reason() -> str:
+    if torch.version.cuda is None:
+        return (
+            f"no CUDA GPU visible to torch {torch.__version__} (a CPU-only build); "
+            "install a CUDA build of torch (see pytorch.org/get-started) or use --device auto"
+        )
+    return (
+        f"no CUDA GPU visible to torch {torch.__version__} (CUDA {torch.version.cuda} build); "
+        "check `nvidia-smi` and CUDA_VISIBLE_DEVICES, or use --device auto"
+    )
+
+
+def _mps_missing_reason() -> str:
+    if platform.system() != "Darwin":
+        return (
+            f"MPS needs an Apple Silicon Mac (this is {platform.system()}); "
+            "use --device auto, or the MLX engine on a Mac"
+        )
+    if not torch.backends.mps.is_built():
+        return (
+            f"torch {torch.__version__} was built without MPS; "
+            "`pip install torch` from pypi.org (macOS arm64 wheels include MPS) or use --device cpu"
+        )
+    return "MPS is built but unavailable (needs macOS 12.3+ on Apple Silicon); use --device cpu"
+
+
+def select_device(requested: str) -> tuple[str, str]:
+    """(device, reason) for `--device`; auto prefers cuda > mps > cpu.
+
+    An explicit device that is missing is an error rather than a silent fallback: a run
+    meant for a GPU that quietly lands on the CPU wastes hours before anyone notices.
+    """
+    req = (requested or "auto").strip().lower()
+    if req == "auto":
+        if torch.cuda.is_available():
+            return "cuda", f"auto: CUDA GPU found ({torch.cuda.get_device_name(0)})"
+        if torch.backends.mps.is_available():
+            return "mps", "auto: no CUDA GPU; Apple MPS available"
+        return "cpu", "auto: no CUDA GPU or Apple MPS visible to torch"
+    if req == "cuda" or req.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {req}: {_cuda_missing_reason()}")
+        if ":" in req:
+            idx = req.split(":", 1)[1]
+            if not idx.isdigit() or int(idx) >= torch.cuda.device_count():
+                raise RuntimeError(
+                    f"--device {req}: torch sees {torch.cuda.device_count()} CUDA device(s) "
+                    f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
+                )
+        return req, f"requested: {torch.cuda.get_device_name(torch.device(req))}"
+    if req == "mps":
+        if not torch.backends.mps.is_available():
+            raise RuntimeError(f"--device mps: {_mps_missing_reason()}")
+        return "mps", "requested: Apple MPS"
+    if req == "cpu":
+        return "cpu", "requested"
+    raise RuntimeError(f"--device {requested}: unknown device (use auto, cuda, cuda:N, mps or cpu)")
+
+
+def check_single_node(world_size: int, device: str) -> None:
+    """Refuse multi-process launches: this engine has no gradient all-reduce, so N ranks
+    would silently train N unrelated models."""
+    if world_size <= 1:
+        return
+    msg = f"the PyTorch engine is single-node, but {world_size} processes were launched"
+    if device.startswith("mps"):
+        msg += (
+            "; to train across several Macs use the MLX engine: "
+            f"mpirun -np {world_size} --hostfile hosts python -m mlxdist.train --engine mlx"
+        )
+    else:
+        msg += (
+            "; run one process (python -m mlxdist.train --engine torch), or for several Macs "
+            f"use the MLX engine: mpirun -np {world_size} --hostfile hosts python -m mlxdist.train --engine mlx"
+        )
+    raise RuntimeError(msg)
+
+
+def _launcher_world_size() -> int:
+    """World size announced by an MPI/torchrun launcher, 1 when started by hand."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def compile_enabled(device: str) -> tuple[bool, str]:
+    """Whether to `torch.compile` the forward on `device`, and why (for `describe()`)."""
+    flag = os.environ.get("DISABLE_COMPILE", "")
+    if flag not in ("", "0"):
+        return False, "DISABLE_COMPILE set"
+    if device.startswith("cuda"):
+        return True, "default on CUDA"
+    return False, f"default off on {device.split(':')[0]}"
+
+
+def _tf32_wanted() -> bool:
+    return os.environ.get("MLXDIST_TF32", "1") not in ("0", "", "false", "off")
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float32).numpy().copy()
+
+
+class TorchEngine:
+    """Engine protocol (`engine/base.py`) on one torch device."""
+
+    name = "torch"
+
+    def __init__(self, args: ModelArgs, cfg: Config, device: str = "auto"):
+        self.args, self.cfg = args, cfg
+        self.device, self.device_reason = select_device(device)
+        check_single_node(_launcher_world_size(), self.device)
+        self.device_type = self.device.split(":")[0]
+        self.dev = torch.device(self.device)
+
+        self.dtype_name = cfg.model.dtype
+        self.amp_dtype = _DTYPES[self.dtype_name]
+        self.tf32 = False
+        if self.device_type == "cuda" and _tf32_wanted():
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            self.tf32 = True
+
+        self.model = Transformer(args).to(self.dev)
+        self.set_weights(initial_weights(args, cfg.train.seed, np))
+        self.model.train()
+        self._names = [n for n, _ in self.model.named_parameters()]
+        self._params = [p for _, p in self.model.named_parameters()]
+
+        self.compiled, self.compile_reason = compile_enabled(self.device)
+        # Compile only the forward: the loss, optimizer and sampling stay eager, so
+        # variable-length sampling never triggers recompiles.
+        self._forward = torch.compile(self.model) if self.compiled else self.model
+
+        decay = [p for p in self._params if p.ndim >= 2]
+        no_decay = [p for p in self._params if p.ndim < 2]
+        t = cfg.train
+        self.fused = self.device_type == "cuda"
+        self.opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": t.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=t.eps,
+            fused=self.fused or None,
+        )
+
+        self.scaler: torch.amp.GradScaler | None = None
+        if self.amp_dtype == torch.float16:
+            if not torch.amp.autocast_mode.is_autocast_available(self.device_type):
+                raise RuntimeError(
+                    f"model.dtype float16: autocast is not available on {self.device}"
+                )
+            try:
+                # The gradients are of the *summed* loss (b*T times a mean loss), so the
+                # default 2**16 initial scale overflows fp16 on the first steps; the scale
+                # is divided by the first micro-batch's token count in `micro_step`.
+                self.scaler = torch.amp.GradScaler(self.device_type)
+            except Exception as e:  # pragma: no cover - depends on the torch build
+                raise RuntimeError(
+                    f"model.dtype float16: torch {torch.__version__} has no GradScaler for "
+                    f"{self.device_type} ({e}); use model.dtype=bfloat16"
+                ) from None
+        self._scaler_ready = False
+        self.last_skip_overflow = False
+        self._reset_accumulators()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _reset_accumulators(self) -> None:
+        self._loss_sum = torch.zeros((), device=self.dev, dtype=torch.float32)
+        self._tokens = 0
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.amp_dtype)
+
+    def _to_device(self, tokens: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(tokens)).long()
+        return t.to(self.dev, non_blocking=True)
+
+    def _summed_loss(self, forward, tokens: np.ndarray) -> tuple[torch.Tensor, int]:
+        t = self._to_device(tokens)
+        inputs, targets = t[:, :-1], t[:, 1:]
+        with self._autocast():
+            logits = forward(inputs)
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+        )
+        return loss, targets.numel()
+
+    # ---------------------------------------------------------------- protocol
+
+    def describe(self) -> str:
+        tf32 = (
+            "on" if self.tf32 else ("off (MLXDIST_TF32=0)" if self.device_type == "cuda" else "n/a")
+        )
+        comp = f"{'on' if self.compiled else 'off'} ({self.compile_reason})"
+        amp = self.dtype_name + (" autocast" if self.amp_dtype != torch.float32 else "")
+        if self.scaler is not None:
+            amp += " + GradScaler"
+        return (
+            f"torch {torch.__version__} on {self.device} ({self.device_reason}); "
+            f"dtype {amp}, fp32 master weights; compile {comp}; tf32 {tf32}; "
+            f"AdamW{' fused' if self.fused else ''}"
+        )
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        # Copies: on the CPU `.numpy()` would alias the live parameters, and a checkpoint
+        # written in the background would then see later updates.
+        return {n: _to_numpy(p) for n, p in self.model.named_parameters()}
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        shapes = param_shapes(self.args)
+        missing = sorted(set(shapes) - set(weights))
+        extra = sorted(set(weights) - set(shapes))
+        if missing or extra:
+            raise ValueError(f"set_weights: missing {missing[:5]}, unexpected {extra[:5]}")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in weights.items():
+                if tuple(value.shape) != shapes[name]:
+                    raise ValueError(
+                        f"set_weights: {name} has shape {tuple(value.shape)}, expected {shapes[name]}"
+                    )
+                params[name].copy_(torch.from_numpy(np.asarray(value, dtype=np.float32)))
+
+    def _from_numpy(self, value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        """A fresh device tensor: `from_numpy` shares memory, and optimizer moments that
+        alias the caller's arrays would be updated in place behind its back."""
+        t = torch.tensor(np.asarray(value, dtype=np.float32), device=self.dev)
+        return t.reshape(like.shape).contiguous()
+
+    def get_optimizer_state(self) -> tuple[dict[str, np.ndarray], int]:
+        out: dict[str, np.ndarray] = {}
+        step = 0
+        for name, p in zip(self._names, self._params, strict=True):
+            st = self.opt.state.get(p, {})
+            if "exp_avg" in st:
+                out[f"m.{name}"] = _to_numpy(st["exp_avg"])
+                out[f"v.{name}"] = _to_numpy(st["exp_avg_sq"])
+                step = int(float(st["step"]))
+            else:
+                out[f"m.{name}"] = np.zeros(tuple(p.shape), np.float32)
+                out[f"v.{name}"] = np.zeros(tuple(p.shape), np.float32)
+        return out, step
+
+    def set_optimizer_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        missing = [n for n in self._names if f"m.{n}" not in state or f"v.{n}" not in state]
+        if missing:
+            raise ValueError(f"set_optimizer_state: no moments for {missing[:5]}")
+        for name, p in zip(self._names, self._params, strict=True):
+            # torch keeps `step` as a float tensor: on the device for fused/capturable AdamW,
+            # on the CPU otherwise (it reads it with .item() for the bias correction).
+            step_t = torch.tensor(
+                float(step), dtype=torch.float32, device=self.dev if self.fused else "cpu"
+            )
+            self.opt.state[p] = {
+                "step": step_t,
+                "exp_avg": self._from_numpy(state[f"m.{name}"], p),
+                "exp_avg_sq": self._from_numpy(state[f"v.{name}"], p),
+            }
+
+    def micro_step(self, tokens: np.ndarray) -> None:
+        loss, n = self._summed_loss(self._forward, tokens)
+        if self.scaler is not None:
+            if not self._scaler_ready:
+                self.scaler = torch.amp.GradScaler(
+                    self.device_type, init_scale=max(2.0**16 / n, 1.0)
+                )
+                self._scaler_ready = True
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        self._loss_sum += loss.detach()
+        self._tokens += n
+
+    def step(self, lr: float) -> StepStats:
+        if self._tokens == 0:
+            raise RuntimeError("TorchEngine.step() called before any micro_step()")
+        tokens = self._tokens
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        torch._foreach_mul_(grads, 1.0 / tokens)
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        # One host sync per optimizer step (not per micro-step) for both checks.
+        loss_sum, grad_norm = (float(x) for x in torch.stack([self._loss_sum, norm.float()]).cpu())
+        finite = np.isfinite(loss_sum) and np.isfinite(grad_norm)
+        self.last_skip_overflow = False
+        if finite:
+            clip = self.cfg.train.grad_clip
+            if clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self._params, clip, norm)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            if self.scaler is not None:
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                self.opt.step()
+        elif self.scaler is not None:
+            # An fp16 overflow mostly means the loss scale is too high: shrink it and tell
+            # the loop (via last_skip_overflow) that the model itself is probably fine.
+            self.last_skip_overflow = np.isfinite(loss_sum)
+            self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        self._reset_accumulators()
+        return StepStats(loss_sum=loss_sum, tokens=tokens, grad_norm=grad_norm, skipped=not finite)
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: np.ndarray) -> tuple[float, int]:
+        loss, n = self._summed_loss(self._forward, tokens)
+        return float(loss), n
+
+    @torch.no_grad()
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        with self._autocast():
+            out = self.model(self._to_device(tokens))
+        return out.float().cpu().numpy()
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompt: list[int],
+        max_new: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        context: int | None = None,
+    ) -> list[int]:
+        """Generated tokens only (not the prompt); temperature <= 0 means greedy.
+
+        No KV cache: each token re-runs the cropped context, which is fine for the short
+        demos this is used for. The context defaults to data.seq_len, the longest window the
+        model was trained on, since RoPE positions past it were never seen. Drawing happens on
+        the CPU with a seeded generator so a seed gives the same text on every device.
+        """
+        ctx = context or self.cfg.data.seq_len
+        gen = torch.Generator().manual_seed(seed)
+        seq = list(prompt) or [0]
+        out: list[int] = []
+        for _ in range(max_new):
+            window = torch.tensor([seq[-ctx:]], dtype=torch.long, device=self.dev)
+            with self._autocast():
+                last = self.model(window)[0, -1].float().cpu()
+            if temperature <= 0:
+                nxt = int(last.argmax())
+            else:
+                probs = torch.softmax(last / temperature, dim=-1)
+                nxt = int(torch.multinomial(probs, 1, generator=gen))
+            seq.append(nxt)
+            out.append(nxt)
+        return out

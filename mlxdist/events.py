@@ -1,0 +1,70 @@
+"""JSONL event log (one file per rank) and the rank-0 progress line.
+
+The log is the source for `mlxdist.report`; the progress line is for the human at the
+terminal. Non-zero ranks print nothing to the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class EventLog:
+    def __init__(self, run_dir: str | Path, rank: int, host: str):
+        path = Path(run_dir) / "logs"
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / f"rank{rank}.jsonl"
+        self._f: TextIO = open(self.path, "a", buffering=1)
+        self.base = {"rank": rank, "host": host}
+
+    def write(self, event: str, **fields: Any) -> None:
+        rec = {"event": event, "time": round(time.time(), 3), **self.base, **fields}
+        self._f.write(json.dumps(rec, default=float) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Progress:
+    """`step 120/300 [####......] loss 2.31 | 41.2k tok/s | eta 1m05s` on one redrawn line."""
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO = sys.stderr):
+        self.total, self.enabled, self.stream = total, enabled, stream
+        self.tty = stream.isatty()
+        self._last_print = 0.0
+        self._start: float | None = None
+        self._start_step = 0
+
+    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
+        if not self.enabled:
+            return
+        now = time.time()
+        if self._start is None:
+            self._start, self._start_step = now, step
+        done = step - self._start_step
+        rate = done / max(now - self._start, 1e-9)
+        eta = (self.total - step) / rate if rate > 0 else 0.0
+        width = 20
+        filled = int(width * step / max(self.total, 1))
+        bar = "#" * filled + "." * (width - filled)
+        line = (f"step {step}/{self.total} [{bar}] loss {loss:.4f} | {tokens_per_s / 1000:.1f}k tok/s"
+                f" | eta {int(eta // 60)}m{int(eta % 60):02d}s{extra}")
+        if self.tty:
+            self.stream.write("\r" + line.ljust(100))
+            self.stream.flush()
+        elif now - self._last_print >= 5 or step >= self.total:
+            self.stream.write(line + "\n")
+            self._last_print = now
+
+    def message(self, text: str) -> None:
+        if self.tty and self.enabled:
+            self.stream.write("\r" + " " * 100 + "\r")
+        print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.tty and self.enabled:
+            self.stream.write("\n")

