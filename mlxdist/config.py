@@ -55,7 +55,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = field(default=300, metadata=_range(1))
+    steps: int = field(default=500, metadata=_range(1))
     batch_size: int = field(default=16, metadata=_range(1))
     accum: int = field(default=1, metadata=_range(1))
     global_batch: int | None = field(default=None, metadata=_range(1))
@@ -138,10 +138,11 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def node_for(self, host: str) -> NodeConfig:
-        """Settings of the `nodes:` entry matching `host` (exact, short name, then glob)."""
+    def node_for(self, host: str, rank: int | None = None) -> NodeConfig:
+        """Settings of the `nodes:` entry for this rank: `rankN`, then host (exact, short name,
+        glob), then `default`. `rankN` keys tell apart several ranks sharing one host."""
         short = host.split(".")[0]
-        for key in (host, short):
+        for key in ((f"rank{rank}",) if rank is not None else ()) + (host, short):
             if key in self.nodes:
                 return self.nodes[key]
         for pattern, node in self.nodes.items():
@@ -182,6 +183,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -152,7 +152,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             f"data: {cfg.data.source}, {len(train_set)} windows of {cfg.data.seq_len}")
 
     # Who does how much: per-node micro-batch from `nodes:`, split of every global step
-    my_micro = cfg.node_for(world.host).batch_size if cfg.nodes else cfg.train.batch_size
+    my_micro = cfg.node_for(world.host, world.rank).batch_size if cfg.nodes else cfg.train.batch_size
     hosts = world.allgather(world.host)
     plan = StepPlan.initial(world.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
     schedule = LRSchedule(cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio,

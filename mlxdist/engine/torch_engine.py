@@ -154,11 +154,12 @@ class TorchEngine:
 
         self.dtype_name = cfg.model.dtype
         self.amp_dtype = _DTYPES[self.dtype_name]
-        self.tf32 = False
-        if self.device_type == "cuda" and _tf32_wanted():
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-            self.tf32 = True
+        self.tf32 = self.device_type == "cuda" and _tf32_wanted()
+        if self.device_type == "cuda":
+            # Set both ways: the flags are process-global, and an earlier engine in the same
+            # process (tests, notebooks) must not leave TF32 on when MLXDIST_TF32=0 asks not to.
+            torch.backends.cuda.matmul.allow_tf32 = self.tf32
+            torch.backends.cudnn.allow_tf32 = self.tf32
 
         self.model = Transformer(args).to(self.dev)
         self.set_weights(initial_weights(args, cfg.train.seed, np))

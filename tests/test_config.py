@@ -1,0 +1,62 @@
+import subprocess
+import sys
+
+import pytest
+
+from mlxdist.config import ConfigError, load_config, parse_override
+
+from helpers import env
+
+
+def test_defaults_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 0.001\nmodel:\n  preset: small\n")
+    cfg = load_config(f, ["train.lr=3e-4", "data.seq_len=64", "dist.backend=mlx-ring"])
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.model.preset == "small"
+    assert cfg.data.seq_len == 64
+    assert cfg.dist.backend == "mlx-ring"
+
+
+def test_override_parsing_types():
+    assert parse_override("train.steps=10") == {"train": {"steps": 10}}
+    assert parse_override("train.global_batch=null") == {"train": {"global_batch": None}}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  lrr: 1\n", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
+    ("train:\n  steps: ten\n", "train.steps: expected int, got 'ten'"),
+    ("train:\n  lr: -1\n", "train.lr: -1.0 is below the minimum 0.0"),
+    ("model:\n  preset: huge\n", "model.preset: 'huge' is not one of"),
+    ("data:\n  seq_len: 16\n  overlap: 16\n", "data.overlap: 16 must be below data.seq_len"),
+    ("trian: {}\n", "unknown key 'trian' (did you mean 'train'?)"),
+    ("nodes:\n  studio: {batch_size: 0}\n", "nodes.studio.batch_size: 0 is below the minimum 1"),
+])
+def test_bad_config_names_key_and_file(tmp_path, text, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(f) in str(e.value)
+    assert message in str(e.value)
+
+
+def test_node_matching():
+    cfg = load_config(None, ["nodes={studio: {batch_size: 32}, 'mac*': {batch_size: 16}, rank2: {batch_size: 4}}"])
+    assert cfg.node_for("studio.local").batch_size == 32
+    assert cfg.node_for("macbook-air").batch_size == 16
+    assert cfg.node_for("studio", rank=2).batch_size == 4
+    assert cfg.node_for("other").batch_size == cfg.train.batch_size
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  stepz: 3\n")
+    r = subprocess.run([sys.executable, "-m", "mlxdist.train", "--config", str(f)], capture_output=True,
+                       text=True, env=env(), timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unknown key 'train.stepz'" in lines[0] and str(f) in lines[0]
+    r = subprocess.run([sys.executable, "-m", "mlxdist.train", "--config", str(tmp_path / "nope.yaml")],
+                       capture_output=True, text=True, env=env(), timeout=60)
+    assert r.returncode == 2 and "config file not found" in r.stderr
