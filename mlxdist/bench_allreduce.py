@@ -211,7 +211,8 @@ def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> di
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
     if cluster is not None:
-        base = [_mpirun(), *cluster.mpirun_args(env=["MLX_MPI_LIBNAME"])]
+        tuning = [k for k in os.environ if k.startswith(("MLXDIST_", "OMPI_MCA_"))]
+        base = [_mpirun(), *cluster.mpirun_args(env=["MLX_MPI_LIBNAME", *tuning])]
     else:
         base = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                 "--mca", "btl", "self,tcp", "-x", "MLX_MPI_LIBNAME", "-x", "PYTHONPATH"]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,14 +34,40 @@ def mpirun_path() -> str:
     return found
 
 
-def run_train(args: list[str], np_: int = 0, timeout: float = 300, cwd: Path | None = None,
-              extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m mlxdist.train ARGS`, under `mpirun -np N` when N > 0."""
+def train_command(args: list[str], np_: int = 0, extra_env: dict | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "mlxdist.train", *args]
     if np_:
         cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
                "-x", "PYTHONPATH", "-x", "OPENBLAS_NUM_THREADS",
                *[x for k in (extra_env or {}) for x in ("-x", k)], *cmd]
+    return cmd
+
+
+def logged_steps(run_dir: Path) -> list[dict]:
+    log = run_dir / "logs" / "rank0.jsonl"
+    if not log.exists():
+        return []
+    return [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "step"]
+
+
+def stop_with_sigterm_after(args: list[str], run_dir: Path, step: int, np_: int = 0) -> tuple[int, str]:
+    """Start a real run, SIGTERM it (or its mpirun) once rank 0 logged `step`; wait for the end."""
+    proc = subprocess.Popen(train_command(args, np_), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env())
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if len(logged_steps(run_dir)) >= step:
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def run_train(args: list[str], np_: int = 0, timeout: float = 300, cwd: Path | None = None,
+              extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m mlxdist.train ARGS`, under `mpirun -np N` when N > 0."""
+    cmd = train_command(args, np_, extra_env)
     e = env() | (extra_env or {})
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=e)
 

@@ -1,15 +1,13 @@
 """End-to-end single-process runs of the real CLI: learning, resume, fallback, generation."""
 
 import json
-import signal
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers import FAST, assert_same_weights, env, final_weights, run_train
+from helpers import FAST, assert_same_weights, env, final_weights, run_train, stop_with_sigterm_after
 
 
 def _losses(run_dir):
@@ -29,26 +27,11 @@ def test_loss_falls_on_synthetic_task(tmp_path):
     assert saved["config"]["train"]["steps"] == 60  # resolved config travels with the checkpoint
 
 
-def _stop_with_sigterm_after(args, run_dir, step):
-    """Start a real run, SIGTERM it once the log shows `step`, return its output."""
-    proc = subprocess.Popen([sys.executable, "-m", "mlxdist.train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env())
-    log = run_dir / "logs" / "rank0.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if log.exists() and len(_losses(run_dir)) >= step:
-            proc.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.02)
-    out, err = proc.communicate(timeout=120)
-    return proc.returncode, err
-
-
 def test_resume_equals_uninterrupted(tmp_path):
     common = [*FAST, "train.steps=40", "checkpoint.every=0", "train.accum=2", "train.batch_size=4"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_train([*common, f"train.out_dir={full}"]).returncode == 0
-    code, err = _stop_with_sigterm_after([*common, f"train.out_dir={part}"], part, 5)
+    code, err = stop_with_sigterm_after([*common, f"train.out_dir={part}"], part, 5)
     assert code == 0, err
     assert "stopped by signal after step" in err
     stopped_at = int(err.split("stopped by signal after step ")[1].split(";")[0])

@@ -367,7 +367,7 @@ class TorchEngine:
         self,
         prompt: list[int],
         max_new: int,
-        temperature: float = 1.0,
+        temperature: float = 0.8,
         seed: int = 0,
         context: int | None = None,
     ) -> list[int]:
