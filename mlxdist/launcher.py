@@ -1,0 +1,124 @@
+"""`launch/mlxrun`: turn a hostfile into the right `mpirun` command, check it, print it, run it.
+
+The flags that matter for a Mac cluster are easy to get wrong by hand: TCP only (no shared
+memory transport across machines), the interface to use, several TCP links per peer for
+Thunderbolt bandwidth, no CPU binding (MLX wants the whole machine), and the environment
+every rank needs. Hosts are checked first, so a typo or a sleeping MacBook is reported by
+name instead of as an mpirun hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.gethostname().split(".")[0]}
+
+
+@dataclass
+class HostEntry:
+    name: str
+    slots: int
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def read_hostfile(path: str | Path) -> list[HostEntry]:
+    p = Path(path)
+    if not p.is_file():
+        raise LaunchError(f"hostfile {p}: not found")
+    hosts = []
+    for n, raw in enumerate(p.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, *opts = line.split()
+        slots = 1
+        for opt in opts:
+            key, _, value = opt.partition("=")
+            if key in ("slots", "max_slots", "max-slots") and value.isdigit():
+                slots = int(value) if key == "slots" else slots
+            else:
+                raise LaunchError(f"hostfile {p}:{n}: cannot read '{opt}' (expected slots=N)")
+        hosts.append(HostEntry(name, slots))
+    if not hosts:
+        raise LaunchError(f"hostfile {p}: lists no hosts")
+    return hosts
+
+
+def check_host(name: str, port: int = 22, timeout: float = 3.0) -> str | None:
+    """None if `name` resolves and (for remote hosts) accepts connections on the ssh port."""
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError:
+        return f"host '{name}' does not resolve (check the name, /etc/hosts or Bonjour: try '{name}.local')"
+    if name in LOCAL_NAMES or addr.startswith("127."):
+        return None
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return (f"host '{name}' ({addr}) is unreachable on ssh port {port} ({e.strerror or e}); "
+                "is it awake, on the network, with Remote Login enabled?")
+
+
+def build_command(hosts_path: str, hosts: list[HostEntry], train_args: list[str], *, iface: str | None,
+                  tcp_links: int, python: str, extra_env: list[str]) -> list[str]:
+    mpirun = shutil.which("mpirun") or str(Path(python).parent / "mpirun")
+    cmd = [mpirun, "--hostfile", hosts_path, "-np", str(sum(h.slots for h in hosts)), "--bind-to", "none",
+           "--mca", "btl", "tcp,self", "--mca", "btl_tcp_links", str(tcp_links)]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    if iface:
+        cmd += ["--mca", "btl_tcp_if_include", iface, "--prtemca", "oob_tcp_if_include", iface]
+    env_names = ["PATH", "PYTHONPATH", "LD_PRELOAD", "OPENBLAS_NUM_THREADS", *extra_env]
+    cmd += ["-x", "MLX_MPI_LIBNAME=libmpi.so.40"]
+    for name in env_names:
+        if "=" in name or name in os.environ:
+            cmd += ["-x", name]
+    return [*cmd, python, "-m", "mlxdist.train", *train_args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="launch/mlxrun", description=__doc__.splitlines()[0],
+                                epilog="example: launch/mlxrun --hostfile hostfiles/studio+macbook.hosts "
+                                       "-- --config configs/cluster.yaml")
+    p.add_argument("--hostfile", required=True)
+    p.add_argument("--iface", help="network interface or CIDR for MPI traffic, e.g. en0, bridge0, 10.0.0.0/24")
+    p.add_argument("--tcp-links", type=int, default=2, help="TCP connections per peer (Thunderbolt: 4)")
+    p.add_argument("--python", default=sys.executable, help="python on every host (same path)")
+    p.add_argument("-x", dest="env", action="append", default=[], help="extra env var to pass to ranks")
+    p.add_argument("--dry-run", action="store_true", help="check hosts and print the command only")
+    p.add_argument("--no-check", action="store_true", help="skip the host reachability check")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then python -m mlxdist.train arguments")
+    args = p.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    try:
+        hosts = read_hostfile(args.hostfile)
+        if not args.no_check:
+            for h in hosts:
+                problem = check_host(h.name)
+                if problem:
+                    raise LaunchError(f"hostfile {args.hostfile}: {problem}")
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cmd = build_command(args.hostfile, hosts, train_args, iface=args.iface, tcp_links=args.tcp_links,
+                        python=args.python, extra_env=args.env)
+    print(shlex.join(cmd), flush=True)
+    if args.dry_run:
+        return 0
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+import subprocess
+import sys
+
+from helpers import ROOT, env
+
+from mlxdist.launcher import read_hostfile
+
+
+def _mlxrun(*args):
+    return subprocess.run([sys.executable, str(ROOT / "launch" / "mlxrun"), *args], capture_output=True,
+                          text=True, env=env(), timeout=60)
+
+
+def test_dry_run_prints_mpirun_command():
+    r = _mlxrun("--hostfile", str(ROOT / "hostfiles" / "localhost.hosts"), "--dry-run", "--tcp-links", "4",
+                "--", "--config", "configs/cluster.yaml")
+    assert r.returncode == 0, r.stderr
+    cmd = r.stdout.strip()
+    for part in ("-np 2", "--bind-to none", "btl_tcp_links 4", "MLX_MPI_LIBNAME=libmpi.so.40",
+                 "-m mlxdist.train --config configs/cluster.yaml"):
+        assert part in cmd
+
+
+def test_unreachable_host_is_named(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("localhost slots=1\nno-such-mac.invalid slots=1\n")
+    r = _mlxrun("--hostfile", str(hf), "--dry-run")
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: hostfile") and "'no-such-mac.invalid' does not resolve" in r.stderr
+
+
+def test_bad_hostfile_line(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("studio slots=2 colour=blue\n")
+    r = _mlxrun("--hostfile", str(hf))
+    assert r.returncode == 2 and f"{hf}:1" in r.stderr and "colour=blue" in r.stderr
+    assert [h.slots for h in read_hostfile(ROOT / "hostfiles" / "studio+macbook.hosts")] == [1, 1]
+
+
+def test_launch_runs_training_on_localhost(tmp_path):
+    r = _mlxrun("--hostfile", str(ROOT / "hostfiles" / "localhost.hosts"), "--", "data.source=synthetic",
+                "data.seq_len=16", "train.steps=2", "metrics.port=0", f"train.out_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert "2 rank(s)" in r.stderr and (tmp_path / "checkpoints" / "step_00000002").is_dir()
