@@ -21,7 +21,7 @@ import json
 import os
 import socket
 import tempfile
-import time
+from collections import deque
 
 import mlx.core as mx
 import numpy as np
@@ -33,7 +33,8 @@ from .world import World
 RING_MIN_BYTES = 256 * 1024
 # Ring segment: small enough that forwarding starts early and the tail is short, large
 # enough that per-message costs vanish against the bytes (1 MiB = 8 ms at 1 Gbit/s).
-RING_SEGMENT_BYTES = 1 << 20
+RING_SEGMENT_BYTES = int(os.environ.get("MLXDIST_RING_SEGMENT", 1 << 20))
+RING_WINDOW = int(os.environ.get("MLXDIST_RING_WINDOW", 4))
 
 
 def _bf16_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
@@ -56,7 +57,7 @@ def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
 
 
 def ring_allreduce(comm, srcs: list[np.ndarray], outs: list[np.ndarray],
-                   segment_bytes: int = RING_SEGMENT_BYTES) -> None:
+                   segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
     """Sum `srcs` over all ranks of `comm` into `outs` (same shapes; flat arrays).
 
     Reduce-scatter then all-gather around the ring rank -> rank+1, each of the
@@ -94,29 +95,41 @@ def ring_allreduce(comm, srcs: list[np.ndarray], outs: list[np.ndarray],
                 tag = (s * len(segs) + a) * per_chunk + k
                 recv_reqs.append(comm.Irecv(outs[a][lo:hi], source=prv, tag=tag))
                 recv_meta.append((s, a, k, lo, hi))
-    send_reqs = []
+    # Sends wait in order in a queue with only `window` of them in flight: Open MPI
+    # interleaves the fragments of all posted sends to a peer, so posting them all at
+    # once made every segment finish together at the end of a step and nothing could
+    # be forwarded early (measured: 48% of the link limit at 1 Gbit/s, against 90%).
+    queue: deque[tuple[np.ndarray, int]] = deque()
     chunk0 = rank % n
     for a, chunks in segs:
         for k, (lo, hi) in enumerate(chunks[chunk0]):
-            send_reqs.append(comm.Isend(srcs[a][lo:hi], dest=nxt, tag=a * per_chunk + k))
-    pending = len(recv_reqs)
-    nap = float(os.environ.get("MLXDIST_RING_NAP", "0"))
-    while pending:
-        if nap:
-            i, done = MPI.Request.Testany(recv_reqs)
-            if not done:
-                time.sleep(nap)
-                continue
-        else:
-            i = MPI.Request.Waitany(recv_reqs)
-        pending -= 1
-        s, a, k, lo, hi = recv_meta[i]
+            queue.append((srcs[a][lo:hi], a * per_chunk + k))
+    reqs, meta = list(recv_reqs), list(recv_meta)
+    in_flight = 0
+
+    def pump() -> None:
+        nonlocal in_flight
+        while queue and in_flight < window:
+            buf, tag = queue.popleft()
+            reqs.append(comm.Isend(buf, dest=nxt, tag=tag))
+            meta.append(None)
+            in_flight += 1
+
+    pump()
+    while reqs:
+        i = MPI.Request.Waitany(reqs)
+        reqs.pop(i)
+        m = meta.pop(i)
+        if m is None:
+            in_flight -= 1
+            pump()
+            continue
+        s, a, k, lo, hi = m
         if s < n - 1:  # reduce-scatter: the peer's partial sum plus my own part
             _add(outs[a][lo:hi], srcs[a][lo:hi], outs[a][lo:hi])
         if s + 1 < steps:
-            tag = ((s + 1) * len(segs) + a) * per_chunk + k
-            send_reqs.append(comm.Isend(outs[a][lo:hi], dest=nxt, tag=tag))
-    MPI.Request.Waitall(send_reqs)
+            queue.append((outs[a][lo:hi], ((s + 1) * len(segs) + a) * per_chunk + k))
+            pump()
 
 
 def _to_numpy(a: mx.array) -> np.ndarray:
