@@ -2,10 +2,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import env
 
 from mlxdist.config import ConfigError, load_config, parse_override
-
-from helpers import env
 
 
 def test_defaults_and_overrides(tmp_path):

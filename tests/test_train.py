@@ -6,8 +6,14 @@ import subprocess
 import sys
 
 import pytest
-
-from helpers import FAST, assert_same_weights, env, final_weights, run_train, stop_with_sigterm_after
+from helpers import (
+    FAST,
+    assert_same_weights,
+    env,
+    final_weights,
+    run_train,
+    stop_with_sigterm_after,
+)
 
 
 def _losses(run_dir):

