@@ -227,12 +227,14 @@ def plot(run: Run, out: Path) -> list[Path]:
     if any(_finite(e.get("memory_active_bytes")) or _finite(e.get("memory_peak_bytes"))
            for ev in run.steps.values() for e in ev):
         fig, (ax,) = new("Memory per rank", "GiB")
-        for r in run.ranks:
+        for i, r in enumerate(run.ranks):
             ev = run.steps.get(r, [])
+            # One colour per rank: solid = active, dashed = peak.
             for key, style in (("memory_active_bytes", "-"), ("memory_peak_bytes", "--")):
                 pts = [(e["step"], e[key] / 2**30) for e in ev if _finite(e.get(key))]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), style, lw=1, label=f"{run.label(r)} {key.split('_')[1]}")
+                    ax.plot(*zip(*pts, strict=True), style, color=f"C{i % 10}", lw=1,
+                            label=f"{run.label(r)} {key.split('_')[1]}")
         ax.set_ylim(bottom=0)
         ax.legend()
         save(fig, "memory.png")
