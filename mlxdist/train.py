@@ -103,7 +103,6 @@ class Log:
 
 def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     from . import checkpoint as ckpt
-    from .collective import make_collective, resolve_backend
     from .control import EarlyStopping, HealthMonitor, LoadBalancer, LRSchedule
     from .data import GlobalSampler, Prefetcher, build_datasets
     from .engine import make_engine
@@ -111,8 +110,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     from .metrics import Metrics
     from .models.presets import human, param_count, resolve
     from .plan import BatchMaker, StepPlan
-    from .sync import checksum
-    from .world import World, init_world, launched_by_mpirun
+    from .world import World, init_world, launched_by_mpirun, resolve_backend
 
     backend = resolve_backend(cfg.dist.backend)
     if engine_name == "torch":
@@ -134,6 +132,8 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     train_set, eval_set = build_datasets(cfg.data, cfg.train.seed)
     sampler = GlobalSampler(len(train_set), cfg.train.seed)
     if engine_name == "mlx":
+        from .collective import make_collective
+
         collective = make_collective(world, backend, cfg.dist.ring_connections)
         from .engine.mlx_engine import MLXEngine
 
@@ -299,6 +299,8 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                     prefetch = start_prefetch()
             every = cfg.dist.sync_weights_every
             if world.size > 1 and every and state.step % every == 0:
+                from .sync import checksum
+
                 sums = world.allgather(checksum(engine.weight_arrays()))
                 if len(set(sums)) > 1:
                     bad = [r for r, s in enumerate(sums) if s != sums[0]]
