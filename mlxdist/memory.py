@@ -1,9 +1,10 @@
 """The one seam between the trainer and the machine's memory numbers.
 
-On a Mac, MLX's Metal allocator reports what the GPU side holds and the limit it will
-allow; elsewhere the process's resident set against the machine/cgroup limit is the best
-stand-in. Tests (and users rehearsing on Linux) can override the reading with
-MLXDIST_MEMORY_LIMIT_BYTES to make the batch-size controller act.
+MLX's allocator reports what it holds and its peak (Metal on a Mac, CPU memory on Linux);
+CUDA has its own counters; anything else falls back to the process's resident set against
+the machine/cgroup limit. Tests (and users rehearsing on Linux) can override the limit with
+MLXDIST_MEMORY_LIMIT_BYTES, or MLXDIST_MEMORY_LIMIT_FILE (re-read at every step, so a test
+can lower it mid-run), to make the batch-size controller act.
 """
 
 from __future__ import annotations
@@ -43,16 +44,40 @@ def _process_reading() -> MemoryReading:
     return MemoryReading(rss, max(peak, rss), _linux_limit() if sys.platform == "linux" else 0)
 
 
+def _override_limit() -> int | None:
+    path = os.environ.get("MLXDIST_MEMORY_LIMIT_FILE")
+    if path:
+        try:
+            return int(Path(path).read_text().strip())
+        except (OSError, ValueError):
+            return None
+    value = os.environ.get("MLXDIST_MEMORY_LIMIT_BYTES")
+    return int(value) if value else None
+
+
 def memory_reading(engine: str = "mlx") -> MemoryReading:
-    override = os.environ.get("MLXDIST_MEMORY_LIMIT_BYTES")
-    if engine == "mlx" and sys.platform == "darwin":
+    """Bytes in use now, peak since the last `reset_peak`, and the limit to stay under."""
+    if engine == "mlx":
         import mlx.core as mx
 
-        info = mx.device_info()
-        r = MemoryReading(mx.get_active_memory(), mx.get_peak_memory(),
-                          int(info.get("max_recommended_working_set_size", info.get("memory_size", 0))))
+        # On a Mac the limit is Metal's recommended working set; on Linux, about the RAM.
+        r = MemoryReading(mx.get_active_memory(), mx.get_peak_memory(), mx.get_memory_limit())
+    elif "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        import torch
+
+        r = MemoryReading(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
+                          torch.cuda.get_device_properties(0).total_memory)
     else:
         r = _process_reading()
-    if override:
-        r = MemoryReading(r.active, r.peak, int(override))
-    return r
+    limit = _override_limit()
+    return MemoryReading(r.active, r.peak, limit) if limit else r
+
+
+def reset_peak(engine: str = "mlx") -> None:
+    """Start a new peak window, so each step's reading reflects that step's batch size."""
+    if engine == "mlx":
+        import mlx.core as mx
+
+        mx.reset_peak_memory()
+    elif "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        sys.modules["torch"].cuda.reset_peak_memory_stats()

@@ -57,6 +57,26 @@ class Metrics:
         self.build = Info("mlxdist_build", "Version and run settings", lab, registry=r)
         self.build.labels(**self.labels).info({"version": __version__})
 
+    def observe_step(self, stats, *, lr: float, step_s: float, samples: int, tokens: int, micro: int,
+                     accum: int, data_wait: float, memory) -> None:
+        self.steps.inc()
+        self.tokens.inc(tokens)
+        self.samples.inc(samples)
+        self.loss.set(stats.loss)
+        self.lr.set(lr)
+        self.grad_norm.set(stats.grad_norm)
+        self.tokens_per_second.set(tokens / max(step_s, 1e-9))
+        self.batch_size.set(micro)
+        self.accumulation.set(accum)
+        self.share.set(samples)
+        self.step_seconds.observe(step_s)
+        self.sync_seconds.observe(stats.sync_seconds)
+        self.sync_bytes.inc(stats.sync_bytes)
+        self.data_wait.inc(data_wait)
+        self.memory_active.set(memory.active)
+        self.memory_peak.set(memory.peak)
+        self.memory_limit.set(memory.limit)
+
     def decision(self, controller: str, action: str) -> None:
         self.decisions.labels(**self.labels, controller=controller, action=action).inc()
 

@@ -15,6 +15,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from .config import Config, ConfigError, load_config
 
 # --------------------------------------------------------------------------- CLI
@@ -103,10 +105,21 @@ class Log:
 
 def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     from . import checkpoint as ckpt
-    from .control import EarlyStopping, HealthMonitor, LoadBalancer, LRSchedule
+    from .control import (
+        AccumulationController,
+        BatchSizeController,
+        BatchSizeError,
+        EarlyStopping,
+        HealthMonitor,
+        LoadBalancer,
+        LRSchedule,
+        micro_batches,
+    )
     from .data import GlobalSampler, Prefetcher, build_datasets
     from .engine import make_engine
     from .events import EventLog, Progress
+    from .faults import Faults
+    from .memory import memory_reading, reset_peak
     from .metrics import Metrics
     from .models.presets import human, param_count, resolve
     from .plan import BatchMaker, StepPlan
@@ -161,12 +174,19 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     stopper = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
     balancer = LoadBalancer(plan.global_batch, world.size, hysteresis=cfg.control.balance_hysteresis,
                             interval=cfg.control.balance_interval, initial_shares=plan.shares)
+    node = cfg.node_for(world.host, world.rank)
+    batch_ctl = BatchSizeController(my_micro, min(cfg.control.min_batch, my_micro),
+                                    max(cfg.control.max_batch, my_micro),
+                                    target_fraction=node.memory_target or cfg.control.memory_target)
+    accum_ctl = AccumulationController(plan.global_batch, cfg.train.max_accum)
+    accum_ctl.plan(plan.shares, plan.micro)
     state = RunState()
     ckpt_dir = run_dir / "checkpoints"
 
-    def controllers_state() -> dict:
+    def controllers_state(batch_states: list[dict]) -> dict:
         return {"balancer": balancer.state_dict(), "health": health.state_dict(),
-                "early_stop": stopper.state_dict(), "shares": plan.shares}
+                "early_stop": stopper.state_dict(), "batch_size": batch_states,
+                "shares": plan.shares, "micro": plan.micro}
 
     def restore(loaded: ckpt.Loaded | None) -> None:
         """Rank 0 reads the checkpoint; every rank gets its contents by broadcast."""
@@ -184,9 +204,11 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             c = state.controllers
             if "early_stop" in c:
                 stopper.load_state_dict(c["early_stop"])
-            if meta.get("world_size") == world.size and "balancer" in c:
+            same_cluster = meta.get("hosts") == hosts and meta.get("global_batch") == plan.global_batch
+            if same_cluster and "balancer" in c:
                 balancer.load_state_dict(c["balancer"])
-                plan.shares = list(c["shares"])
+                batch_ctl.load_state_dict(c["batch_size"][world.rank])
+                plan.shares, plan.micro = list(c["shares"]), list(c["micro"])
         if engine_name == "mlx":
             engine.broadcast_state(0)
 
@@ -199,13 +221,14 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     restore(loaded)
 
     def save_checkpoint() -> None:
+        batch_states = world.allgather(batch_ctl.state_dict())
         if not world.is_main:
             return
         t0 = time.perf_counter()
         opt, opt_step = engine.get_optimizer_state()
         meta = {"step": state.step, "position": state.position, "lr_scale": state.lr_scale,
                 "eval_loss": state.eval_loss, "best_eval": state.best_eval, "optimizer_step": opt_step,
-                "controllers": controllers_state(), "world_size": world.size, "hosts": hosts,
+                "controllers": controllers_state(batch_states), "world_size": world.size, "hosts": hosts,
                 "engine": engine_name, "config": cfg.to_dict(), "global_batch": plan.global_batch}
         path = ckpt.save(ckpt_dir, state.step, engine.get_weights(), opt, meta, cfg.checkpoint.zstd_level)
         ckpt.apply_retention(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
@@ -243,21 +266,93 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     make_batches = BatchMaker(train_set, sampler, world.rank)
 
     def start_prefetch() -> Prefetcher:
-        base_step, base_pos, frozen = state.step, state.position, StepPlan(plan.global_batch, list(plan.shares), list(plan.micro))
+        """Batches for steps ahead are made with the plan as it is now; a new plan restarts this."""
+        base_step, base_pos = state.step, state.position
+        frozen = StepPlan(plan.global_batch, list(plan.shares), list(plan.micro))
         return Prefetcher(lambda s: make_batches(base_pos + (s - base_step) * frozen.global_batch, frozen),
                           start=state.step, depth=cfg.data.prefetch)
 
+    def run_micro_steps(batches: list) -> None:
+        """Forward/backward over this rank's share; on out-of-memory, shrink and redo the share.
+
+        Only this rank retries: its share of the step is unchanged, so the peers simply wait
+        in the all-reduce, and the new micro-batch size is shared at the next all-gather.
+        """
+        while True:
+            try:
+                if faults.take_oom(world.rank, state.step):
+                    raise MemoryError("injected out-of-memory (MLXDIST_INJECT_OOM)")
+                for batch in batches:
+                    engine.micro_step(batch)
+                return
+            except (MemoryError, RuntimeError) as e:
+                if not isinstance(e, MemoryError) and not _looks_like_oom(e):
+                    raise
+                engine.discard_gradients()
+                engine.clear_cache()
+                try:
+                    decision = batch_ctl.on_oom()
+                except BatchSizeError as stuck:
+                    raise RuntimeError(f"{world.label}: out of memory at the smallest batch size "
+                                       f"(control.min_batch={cfg.control.min_batch}): {stuck}") from None
+                metrics.decision("batch_size", "oom_shrink")
+                log(f"oom: step {state.step}: {e}; micro-batch {decision.old} -> {decision.new}, retrying the step")
+                events.write("oom", step=state.step, old=decision.old, new=decision.new)
+                plan.micro[world.rank] = decision.new
+                samples = np.concatenate(batches)
+                sizes = micro_batches(len(samples), decision.new)
+                batches = np.split(samples, np.cumsum(sizes)[:-1])
+
+    def agree_on_plan(gathered: list) -> bool:
+        """Apply micro-batch sizes and balancer shares that every rank computed the same way."""
+        changed = False
+        micro = [g["micro"] for g in gathered]
+        if micro != plan.micro:
+            log(f"batch: step {state.step}: micro-batches {plan.micro} -> {micro}")
+            events.write("batch_size", step=state.step, old=plan.micro, new=micro)
+            plan.micro, changed = micro, True
+        if cfg.control.balance and world.size > 1:
+            new = balancer.observe(state.step, [g["samples"] for g in gathered],
+                                   [g["compute_s"] for g in gathered])
+            if new is not None and new != plan.shares:
+                log(f"balance: step {state.step}: shares {plan.shares} -> {new} "
+                    f"(rates {[round(r or 0, 1) for r in balancer.rates]} samples/s)")
+                events.write("balance", step=state.step, old=plan.shares, new=new)
+                metrics.decision("balancer", "resplit")
+                plan.shares, changed = new, True
+        if changed:
+            accum = accum_ctl.plan(plan.shares, plan.micro)
+            events.write("accumulation", step=state.step, accum=accum)
+        return changed
+
+    def check_drift() -> None:
+        from .sync import checksum
+
+        sums = world.allgather(checksum(engine.weight_arrays()))
+        if len(set(sums)) > 1:
+            bad = [r for r, s in enumerate(sums) if s != sums[0]]
+            log(f"drift: step {state.step}: weights on rank(s) {bad} differ from rank 0; "
+                "repaired by broadcast from rank 0")
+            engine.broadcast_state(0)
+            metrics.drift_repairs.inc()
+            events.write("drift_repair", step=state.step, ranks=bad)
+
+    faults = Faults.from_env()
     prefetch = start_prefetch()
-    drift_rank, drift_step = _drift_injection()
-    exit_code, stop_reason = 0, None
+    stop_reason = None
+    stats = None
     try:
         while state.step < cfg.train.steps and stop_reason is None:
+            # 1. compute this rank's share of the step
             t_step = time.perf_counter()
             batches = prefetch.get(state.step)
+            reset_peak(engine_name)
             t_compute = time.perf_counter()
-            for batch in batches:
-                engine.micro_step(batch)
+            run_micro_steps(batches)
             compute_s = time.perf_counter() - t_compute
+            if faults.take_nan(state.step):
+                engine.poison_loss()
+            # 2. sync gradients and update (every rank sees the same loss and norm)
             lr = schedule(state.step, state.lr_scale)
             stats = engine.step(lr)
             verdict = health.observe(state.step, stats.loss, stats.grad_norm)
@@ -265,12 +360,13 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                 log(f"health: {w}")
             if stats.skipped:
                 metrics.nonfinite.inc()
-                log(f"step {state.step}: non-finite loss/gradients; update skipped ({health.nonfinite_total} so far)")
+                log(f"step {state.step}: non-finite loss/gradients; update skipped "
+                    f"({health.nonfinite_total} so far)")
+                events.write("skipped", step=state.step)
             if verdict.rollback:
                 metrics.rollbacks.inc()
                 prefetch.close()
-                latest = ckpt.load_latest(ckpt_dir, warn=log) if world.is_main else None
-                restore(latest)
+                restore(ckpt.load_latest(ckpt_dir, warn=log) if world.is_main else None)
                 state.lr_scale *= cfg.control.rollback_lr_scale
                 log(f"rollback: {cfg.control.max_bad_steps} bad steps in a row; back to step {state.step} "
                     f"with learning rate x{state.lr_scale:g}")
@@ -279,67 +375,48 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                 continue
             state.step += 1
             state.position += plan.global_batch
-
-            if state.step == drift_step and world.rank == drift_rank:
+            if faults.drift_now(world.rank, state.step):
                 engine.params[engine.names[0]] = engine.params[engine.names[0]] + 1e-3
-            # One small all-gather per step: timings for the balancer, and the stop vote.
+
+            # 3. adapt: memory -> micro-batch, speed -> shares (decided from all-gathered numbers)
+            memory = memory_reading(engine_name)
             my_samples = plan.shares[world.rank]
-            gathered = world.allgather((my_samples, compute_s, world.stop_requested))
-            if any(g[2] for g in gathered):
+            if cfg.control.adapt_batch:
+                decision = batch_ctl.observe(memory.peak, memory.limit)
+                if decision is not None:
+                    metrics.decision("batch_size", "shrink" if decision.new < decision.old else "grow")
+                    log(f"batch: rank {world.rank}: {decision.reason}; micro-batch {decision.old} -> {decision.new}")
+            if cfg.control.clear_cache_every and state.step % cfg.control.clear_cache_every == 0:
+                engine.clear_cache()
+            gathered = world.allgather({"samples": my_samples, "compute_s": compute_s,
+                                        "micro": batch_ctl.batch, "stop": world.stop_requested})
+            if any(g["stop"] for g in gathered):
                 stop_reason = "signal"
-            if cfg.control.balance and world.size > 1:
-                new = balancer.observe(state.step, [g[0] for g in gathered], [g[1] for g in gathered])
-                if new is not None and new != plan.shares:
-                    log(f"balance: step {state.step}: shares {plan.shares} -> {new} "
-                        f"(rates {[round(r or 0, 1) for r in balancer.rates]} samples/s)")
-                    events.write("balance", step=state.step, old=plan.shares, new=new)
-                    metrics.decision("balancer", "resplit")
-                    plan.shares = new
-                    prefetch.close()
-                    prefetch = start_prefetch()
+            if agree_on_plan(gathered):
+                prefetch.close()
+                prefetch = start_prefetch()
             every = cfg.dist.sync_weights_every
             if world.size > 1 and every and state.step % every == 0:
-                from .sync import checksum
+                check_drift()
 
-                sums = world.allgather(checksum(engine.weight_arrays()))
-                if len(set(sums)) > 1:
-                    bad = [r for r, s in enumerate(sums) if s != sums[0]]
-                    log(f"drift: step {state.step}: weights on rank(s) {bad} differ from rank 0; "
-                        "repaired by broadcast from rank 0")
-                    engine.broadcast_state(0)
-                    metrics.drift_repairs.inc()
-                    events.write("drift_repair", step=state.step, ranks=bad)
-
-            # Report
+            # 4. report
             step_s = time.perf_counter() - t_step
-            my_tokens = my_samples * cfg.data.seq_len
-            tok_s = stats.tokens / max(step_s, 1e-9)
-            metrics.steps.inc()
-            metrics.tokens.inc(my_tokens)
-            metrics.samples.inc(my_samples)
-            metrics.loss.set(stats.loss)
-            metrics.lr.set(lr)
-            metrics.grad_norm.set(stats.grad_norm)
-            metrics.tokens_per_second.set(my_tokens / max(step_s, 1e-9))
-            metrics.batch_size.set(plan.micro[world.rank])
-            metrics.accumulation.set(plan.accumulation(world.rank))
-            metrics.share.set(my_samples)
-            metrics.step_seconds.observe(step_s)
-            metrics.sync_seconds.observe(stats.sync_seconds)
-            metrics.sync_bytes.inc(stats.sync_bytes)
-            metrics.data_wait.inc(prefetch.wait_seconds)
             data_wait, prefetch.wait_seconds = prefetch.wait_seconds, 0.0
-            _memory_metrics(metrics, engine_name)
+            my_tokens = my_samples * cfg.data.seq_len
+            cluster_tok_s = stats.tokens / max(step_s, 1e-9)
+            metrics.observe_step(stats, lr=lr, step_s=step_s, samples=my_samples, tokens=my_tokens,
+                                 micro=plan.micro[world.rank], accum=plan.accumulation(world.rank),
+                                 data_wait=data_wait, memory=memory)
             events.write("step", step=state.step, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
-                         tokens_per_s=my_tokens / max(step_s, 1e-9), cluster_tokens_per_s=tok_s,
+                         tokens_per_s=my_tokens / max(step_s, 1e-9), cluster_tokens_per_s=cluster_tok_s,
                          step_s=step_s, compute_s=compute_s, sync_s=stats.sync_seconds,
                          data_wait_s=data_wait, shares=plan.shares, micro=plan.micro,
-                         skipped=stats.skipped)
-            progress.update(state.step, stats.loss, tok_s)
-            if state.step % cfg.train.log_every == 0 and not progress.tty:
-                pass
+                         global_batch=plan.global_batch, skipped=stats.skipped,
+                         memory_active_bytes=memory.active, memory_peak_bytes=memory.peak,
+                         memory_limit_bytes=memory.limit)
+            progress.update(state.step, stats.loss, cluster_tok_s)
 
-            # Evaluate, stop early, checkpoint
+            # 5. evaluate, stop early, checkpoint
             last = state.step >= cfg.train.steps or stop_reason is not None
             if cfg.train.eval_every and (state.step % cfg.train.eval_every == 0 or last):
                 state.eval_loss = evaluate()
@@ -359,32 +436,18 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         progress.close()
     if stop_reason == "signal":
         log(f"stopped by signal after step {state.step}; continue with --resume auto")
-        exit_code = 0
     elif stop_reason:
         log(f"stopped after step {state.step}: {stop_reason}")
     if world.is_main:
-        log(f"done: step {state.step}, last loss {stats.loss:.4f}" if state.step else "done")
+        log(f"done: step {state.step}, last loss {stats.loss:.4f}" if stats else f"done: step {state.step}")
     events.write("end", step=state.step, reason=stop_reason or "completed")
     events.close()
-    return exit_code
+    return 0
 
 
-def _drift_injection() -> tuple[int, int]:
-    """Test seam: MLXDIST_INJECT_DRIFT=RANK:STEP perturbs that rank's weights after that step."""
-    spec = os.environ.get("MLXDIST_INJECT_DRIFT")
-    if not spec:
-        return -1, -1
-    rank, step = spec.split(":")
-    return int(rank), int(step)
-
-
-def _memory_metrics(metrics, engine_name: str) -> None:
-    from .memory import memory_reading
-
-    reading = memory_reading(engine_name)
-    metrics.memory_active.set(reading.active)
-    metrics.memory_peak.set(reading.peak)
-    metrics.memory_limit.set(reading.limit)
+def _looks_like_oom(e: Exception) -> bool:
+    text = str(e).lower()
+    return any(k in text for k in ("out of memory", "outofmemory", "malloc", "failed to allocate"))
 
 
 if __name__ == "__main__":

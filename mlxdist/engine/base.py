@@ -47,6 +47,12 @@ class Engine(Protocol):
     def step(self, lr: float) -> StepStats:
         """Average accumulated gradients over all ranks' tokens, clip, and apply AdamW."""
 
+    def discard_gradients(self) -> None:
+        """Forget gradients accumulated since the last `step` (retry after out-of-memory)."""
+
+    def clear_cache(self) -> None:
+        """Return cached allocator memory to the system."""
+
     def eval_loss(self, tokens: np.ndarray) -> tuple[float, int]:
         """(summed loss, token count) without touching gradients."""
 

@@ -116,6 +116,17 @@ class MLXEngine:
         self.opt_step = t
         return stats
 
+    def discard_gradients(self) -> None:
+        """Drop a half-accumulated step (after an out-of-memory), keeping weights and moments."""
+        self._reset_accumulators()
+
+    def poison_loss(self) -> None:
+        """Test seam: make this step's loss non-finite, as a numerical blow-up would."""
+        self._loss_sum = self._loss_sum + float("nan")
+
+    def clear_cache(self) -> None:
+        mx.clear_cache()
+
     def get_weights(self) -> dict[str, np.ndarray]:
         return {k: np.array(v) for k, v in self.params.items()}
 

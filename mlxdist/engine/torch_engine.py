@@ -351,6 +351,21 @@ class TorchEngine:
         self._reset_accumulators()
         return StepStats(loss_sum=loss_sum, tokens=tokens, grad_norm=grad_norm, skipped=not finite)
 
+    def discard_gradients(self) -> None:
+        """Drop a half-accumulated step (after an out-of-memory), keeping weights and moments."""
+        self.opt.zero_grad(set_to_none=True)
+        self._reset_accumulators()
+
+    def poison_loss(self) -> None:
+        """Test seam: make this step's loss non-finite, as a numerical blow-up would."""
+        self._loss_sum += float("nan")
+
+    def clear_cache(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.empty_cache()
+        elif self.device_type == "mps":
+            torch.mps.empty_cache()
+
     @torch.no_grad()
     def eval_loss(self, tokens: np.ndarray) -> tuple[float, int]:
         loss, n = self._summed_loss(self._forward, tokens)
