@@ -115,6 +115,10 @@ class ControlConfig:
     balance_hysteresis: float = field(default=0.05, metadata=_range(0.0, 1.0))
     clear_cache_every: int = field(default=100, metadata=_range(0))
     max_bad_steps: int = field(default=3, metadata=_range(1))
+    health_window: int = field(default=50, metadata=_range(2))
+    loss_variance_warn: float | None = field(default=None, metadata=_range(0.0))
+    plateau_patience: int = field(default=0, metadata=_range(0))
+    plateau_factor: float = field(default=0.5, metadata=_range(0.0, 1.0))
     rollback_lr_scale: float = field(default=0.5, metadata=_range(0.0, 1.0))
 
 

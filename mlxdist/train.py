@@ -74,7 +74,8 @@ class RunState:
 
     step: int = 0
     position: int = 0  # samples of the global stream consumed
-    lr_scale: float = 1.0
+    lr_scale: float = 1.0  # lowered by rollbacks
+    plateau_scale: float = 1.0  # lowered by reduce-on-plateau
     eval_loss: float | None = None
     best_eval: float | None = None
     controllers: dict = field(default_factory=dict)
@@ -113,6 +114,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         HealthMonitor,
         LoadBalancer,
         LRSchedule,
+        ReduceOnPlateau,
         micro_batches,
     )
     from .data import GlobalSampler, Prefetcher, build_datasets
@@ -170,7 +172,10 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     plan = StepPlan.initial(world.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
     schedule = LRSchedule(cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio,
                           cfg.train.schedule)
-    health = HealthMonitor(max_bad_steps=cfg.control.max_bad_steps)
+    health = HealthMonitor(window=cfg.control.health_window, variance_warn=cfg.control.loss_variance_warn,
+                           max_bad_steps=cfg.control.max_bad_steps)
+    plateau = ReduceOnPlateau(cfg.control.plateau_patience, cfg.control.plateau_factor) \
+        if cfg.control.plateau_patience else None
     stopper = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
     balancer = LoadBalancer(plan.global_batch, world.size, hysteresis=cfg.control.balance_hysteresis,
                             interval=cfg.control.balance_interval, initial_shares=plan.shares)
@@ -186,7 +191,8 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     def controllers_state(batch_states: list[dict]) -> dict:
         return {"balancer": balancer.state_dict(), "health": health.state_dict(),
                 "early_stop": stopper.state_dict(), "batch_size": batch_states,
-                "shares": plan.shares, "micro": plan.micro}
+                "shares": plan.shares, "micro": plan.micro,
+                **({"plateau": plateau.state_dict()} if plateau is not None else {})}
 
     def restore(loaded: ckpt.Loaded | None) -> None:
         """Rank 0 reads the checkpoint; every rank gets its contents by broadcast."""
@@ -200,7 +206,10 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         meta = world.bcast(meta)
         if meta is not None:
             state = RunState(meta["step"], meta["position"], meta.get("lr_scale", 1.0),
-                             meta.get("eval_loss"), meta.get("best_eval"), meta.get("controllers", {}))
+                             meta.get("plateau_scale", 1.0), meta.get("eval_loss"), meta.get("best_eval"),
+                             meta.get("controllers", {}))
+            if plateau is not None and "plateau" in state.controllers:
+                plateau.load_state_dict(state.controllers["plateau"])
             c = state.controllers
             if "early_stop" in c:
                 stopper.load_state_dict(c["early_stop"])
@@ -227,6 +236,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         t0 = time.perf_counter()
         opt, opt_step = engine.get_optimizer_state()
         meta = {"step": state.step, "position": state.position, "lr_scale": state.lr_scale,
+                "plateau_scale": state.plateau_scale,
                 "eval_loss": state.eval_loss, "best_eval": state.best_eval, "optimizer_step": opt_step,
                 "controllers": controllers_state(batch_states), "world_size": world.size, "hosts": hosts,
                 "engine": engine_name, "config": cfg.to_dict(), "global_batch": plan.global_batch}
@@ -353,7 +363,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             if faults.take_nan(state.step):
                 engine.poison_loss()
             # 2. sync gradients and update (every rank sees the same loss and norm)
-            lr = schedule(state.step, state.lr_scale)
+            lr = schedule(state.step, state.lr_scale * state.plateau_scale)
             stats = engine.step(lr)
             verdict = health.observe(state.step, stats.loss, stats.grad_norm)
             for w in verdict.warnings:
@@ -425,6 +435,13 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                 log(f"eval: step {state.step}: loss {state.eval_loss:.4f}")
                 if state.best_eval is None or state.eval_loss < state.best_eval:
                     state.best_eval = state.eval_loss
+                if plateau is not None:
+                    scale = plateau.observe(state.eval_loss)
+                    if scale != state.plateau_scale:
+                        log(f"plateau: eval loss flat for {cfg.control.plateau_patience} evals; "
+                            f"learning rate x{scale:g}")
+                        metrics.decision("plateau", "reduce_lr")
+                        state.plateau_scale = scale
                 if stopper.observe(state.eval_loss):
                     stop_reason = stop_reason or "early stopping"
                     last = True

@@ -3,12 +3,18 @@ out-of-memory retry, and the health monitor's skip and rollback."""
 
 import json
 import subprocess
-import sys
 import time
 
 import pytest
-
-from helpers import FAST, assert_same_weights, env, final_weights, logged_steps, run_train, train_command
+from helpers import (
+    FAST,
+    assert_same_weights,
+    env,
+    final_weights,
+    logged_steps,
+    run_train,
+    train_command,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -69,3 +75,10 @@ def test_nan_steps_are_skipped_counted_and_rolled_back(tmp_path):
     assert steps[-1]["step"] == 12 and steps[-1]["loss"] < 10
     saved = json.loads((tmp_path / "checkpoints" / "step_00000012" / "state.json").read_text())
     assert saved["lr_scale"] == 0.5  # the lower learning rate survives a resume
+
+
+def test_reduce_on_plateau_lowers_learning_rate(tmp_path):
+    r = run_train([*FAST, "train.steps=8", "train.lr=0", "train.eval_every=2", "control.plateau_patience=1",
+                   "control.plateau_factor=0.5", f"train.out_dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr
+    assert "plateau: eval loss flat for 1 evals; learning rate x0.5" in r.stderr
