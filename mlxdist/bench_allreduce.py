@@ -266,7 +266,7 @@ def format_table(merged: dict, rate_bits: float | None) -> str:
             if sec is None:
                 row += f" | {'-':>15} {'-':>6}" + (f" {'-':>5}" if rate_bits else "")
                 continue
-            row += f" | {sec * 1e3:15.3f} {busbw_gbs(s, sec, n):6.3f}"
+            row += f" | {sec * 1e3:15.3f} {busbw_gbs(s, sec, n):6.3g}"
             if rate_bits:
                 row += f" {100 * limit / sec:4.0f}%"
         lines.append(row)

@@ -26,15 +26,19 @@ from collections import deque
 import mlx.core as mx
 import numpy as np
 
-from .world import World
+from .world import World, resolve_backend  # noqa: F401 (re-exported)
 
 # Below this many bytes an array goes through MPI's Allreduce: latency, not bandwidth,
 # decides there, and one collective call beats 2(n-1) ring messages.
 RING_MIN_BYTES = 256 * 1024
-# Ring segment: small enough that forwarding starts early and the tail is short, large
-# enough that per-message costs vanish against the bytes (1 MiB = 8 ms at 1 Gbit/s).
-RING_SEGMENT_BYTES = int(os.environ.get("MLXDIST_RING_SEGMENT", 1 << 20))
-RING_WINDOW = int(os.environ.get("MLXDIST_RING_WINDOW", 4))
+# Ring segment: just under Open MPI's TCP eager limit (64 KiB with its header), so a
+# segment goes out at once. Larger ones use the rendezvous protocol, whose handshake
+# waits behind the data queued in the other direction of a busy link: with 1 MiB
+# segments the ring reached 45-50% of a shaped 1 Gbit/s link, with 64 KiB ones ~90%.
+RING_SEGMENT_BYTES = int(os.environ.get("MLXDIST_RING_SEGMENT", 65536 - 256))
+# Messages in flight each way: 256 x 64 KiB = 16 MiB, above a 10 Gbit/s link's
+# bandwidth-delay product even with a few ms of queueing.
+RING_WINDOW = int(os.environ.get("MLXDIST_RING_WINDOW", 256))
 
 
 def _bf16_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
@@ -86,50 +90,57 @@ def ring_allreduce(comm, srcs: list[np.ndarray], outs: list[np.ndarray],
         segs.append((a, chunks))
     if per_chunk == 0:
         return
-    # (step, array, segment index) of every pending request, for the completion handler.
-    recv_reqs, recv_meta = [], []
+    # Receives are posted in step order, `window` ahead of the data; sends wait in a
+    # queue with `window` in flight. Bounded lists keep each Waitsome cheap.
+    recv_plan = deque()
     for s in range(steps):
         chunk = (rank - s - 1) % n
         for a, chunks in segs:
             for k, (lo, hi) in enumerate(chunks[chunk]):
-                tag = (s * len(segs) + a) * per_chunk + k
-                recv_reqs.append(comm.Irecv(outs[a][lo:hi], source=prv, tag=tag))
-                recv_meta.append((s, a, k, lo, hi))
-    # Sends wait in order in a queue with only `window` of them in flight: Open MPI
-    # interleaves the fragments of all posted sends to a peer, so posting them all at
-    # once made every segment finish together at the end of a step and nothing could
-    # be forwarded early (measured: 48% of the link limit at 1 Gbit/s, against 90%).
+                recv_plan.append((s, a, k, lo, hi))
     queue: deque[tuple[np.ndarray, int]] = deque()
     chunk0 = rank % n
     for a, chunks in segs:
         for k, (lo, hi) in enumerate(chunks[chunk0]):
             queue.append((srcs[a][lo:hi], a * per_chunk + k))
-    reqs, meta = list(recv_reqs), list(recv_meta)
-    in_flight = 0
+    reqs: list = []
+    meta: list = []
+    sends = recvs = 0
+
+    def tag_of(s: int, a: int, k: int) -> int:
+        return (s * len(segs) + a) * per_chunk + k
 
     def pump() -> None:
-        nonlocal in_flight
-        while queue and in_flight < window:
+        nonlocal sends, recvs
+        while recv_plan and recvs < window:
+            m = recv_plan.popleft()
+            reqs.append(comm.Irecv(outs[m[1]][m[3]:m[4]], source=prv, tag=tag_of(*m[:3])))
+            meta.append(m)
+            recvs += 1
+        while queue and sends < window:
             buf, tag = queue.popleft()
             reqs.append(comm.Isend(buf, dest=nxt, tag=tag))
             meta.append(None)
-            in_flight += 1
+            sends += 1
 
     pump()
     while reqs:
-        i = MPI.Request.Waitany(reqs)
-        reqs.pop(i)
-        m = meta.pop(i)
-        if m is None:
-            in_flight -= 1
-            pump()
-            continue
-        s, a, k, lo, hi = m
-        if s < n - 1:  # reduce-scatter: the peer's partial sum plus my own part
-            _add(outs[a][lo:hi], srcs[a][lo:hi], outs[a][lo:hi])
-        if s + 1 < steps:
-            queue.append((outs[a][lo:hi], ((s + 1) * len(segs) + a) * per_chunk + k))
-            pump()
+        done = MPI.Request.Waitsome(reqs) or []
+        finished = set(done)
+        for i in done:
+            m = meta[i]
+            if m is None:
+                sends -= 1
+                continue
+            recvs -= 1
+            s, a, k, lo, hi = m
+            if s < n - 1:  # reduce-scatter: the peer's partial sum plus my own part
+                _add(outs[a][lo:hi], srcs[a][lo:hi], outs[a][lo:hi])
+            if s + 1 < steps:
+                queue.append((outs[a][lo:hi], tag_of(s + 1, a, k)))
+        reqs[:] = [r for i, r in enumerate(reqs) if i not in finished]
+        meta[:] = [m for i, m in enumerate(meta) if i not in finished]
+        pump()
 
 
 def _to_numpy(a: mx.array) -> np.ndarray:
@@ -149,6 +160,9 @@ def _from_numpy(b: np.ndarray, like: mx.array) -> mx.array:
 class Collective:
     name = "single"
     rank, size = 0, 1
+    # Whether large arrays go out as they are, without GradSync packing them first:
+    # a pack is a full copy of the gradients, which the mpi4py ring does not need.
+    direct_min_bytes: int | None = None
 
     def all_sum(self, arrays: list[mx.array]) -> list[mx.array]:
         return arrays
@@ -159,21 +173,38 @@ class Collective:
 
 class Mpi4pyCollective(Collective):
     name = "mpi4py"
+    direct_min_bytes = RING_MIN_BYTES
 
     def __init__(self, world: World):
         self.world, self.comm = world, world.comm
         self.rank, self.size = world.rank, world.size
         # Its own communicator: ring tags can never match another caller's messages.
         self.ring_comm = world.comm.Dup()
+        # Result buffers kept between calls: fresh ones cost a page fault per 4 KiB,
+        # which measured slower than the copy itself on large gradients.
+        self._out_cache: dict[tuple[int, int, str], np.ndarray] = {}
+        # Within one host Open MPI's shared-memory Allreduce beat the ring 2-4x (64 KiB
+        # messages through shared memory); the ring pays off where a network link is.
+        self.use_ring = len(set(world.allgather(world.host))) > 1
+
+    def _out(self, i: int, like: np.ndarray) -> np.ndarray:
+        key = (i, like.size, like.dtype.str)
+        buf = self._out_cache.get(key)
+        if buf is None:
+            buf = self._out_cache[key] = np.empty_like(like)
+        return buf
 
     def all_sum(self, arrays: list[mx.array]) -> list[mx.array]:
         from mpi4py import MPI
 
         mx.eval(arrays)
         srcs = [_to_numpy(a) for a in arrays]
-        outs = [np.empty_like(b) for b in srcs]
-        big = [i for i, b in enumerate(srcs) if b.nbytes >= RING_MIN_BYTES]
-        small = [i for i, b in enumerate(srcs) if b.nbytes < RING_MIN_BYTES]
+        if len(self._out_cache) > 4 * len(srcs):  # the caller's layout changed
+            self._out_cache.clear()
+        outs = [self._out(i, b) for i, b in enumerate(srcs)]
+        limit = RING_MIN_BYTES if self.use_ring else 1 << 62
+        big = [i for i, b in enumerate(srcs) if b.nbytes >= limit]
+        small = [i for i, b in enumerate(srcs) if b.nbytes < limit]
         with self.world.watch("gradient all-reduce"):
             reqs = []
             for i in small:
@@ -181,8 +212,10 @@ class Mpi4pyCollective(Collective):
                     f32 = (srcs[i].astype(np.uint32) << 16).view(np.float32)
                     self.comm.Allreduce(MPI.IN_PLACE, f32, op=MPI.SUM)
                     outs[i] = np.asarray(mx.array(f32).astype(mx.bfloat16).view(mx.uint16))
-                else:
+                elif self.use_ring:
                     reqs.append(self.comm.Iallreduce(srcs[i], outs[i], op=MPI.SUM))
+                else:
+                    self.comm.Allreduce(srcs[i], outs[i], op=MPI.SUM)
             if big:
                 ring_allreduce(self.ring_comm, [srcs[i] for i in big], [outs[i] for i in big])
             MPI.Request.Waitall(reqs)
@@ -255,10 +288,6 @@ def _ring_group(world: World, connections: int):
         group = mx.distributed.init(strict=True, backend="ring")
     os.unlink(path)
     return group
-
-
-def resolve_backend(requested: str) -> str:
-    return "mpi4py" if requested == "auto" else requested
 
 
 def make_collective(world: World, backend: str, ring_connections: int = 1) -> Collective:
