@@ -13,8 +13,11 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,8 +119,61 @@ def main(argv: list[str] | None = None) -> int:
     print(shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
-    os.execvp(cmd[0], cmd)
-    return 0  # not reached
+    return supervise(cmd)
+
+
+# Lines after which the job is over even if mpirun does not think so: Open MPI 5 exits 0
+# when a host's daemon dies, and waits forever for a daemon behind a cut link.
+FATAL_MARKERS = ("stalled", "A daemon failed to report back", "aborting the whole job", "MPI_ABORT")
+
+
+def supervise(cmd: list[str], grace: float = 10.0) -> int:
+    """Run mpirun, pass its output through, and make a failed job end, and end non-zero."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    failed = threading.Event()
+    reason: list[str] = []
+
+    def pump(src, dst) -> None:
+        for line in src:
+            dst.write(line)
+            dst.flush()
+            if not failed.is_set() and any(m in line for m in FATAL_MARKERS):
+                reason.append(line.strip())
+                failed.set()
+
+    threads = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout), daemon=True),
+               threading.Thread(target=pump, args=(proc.stderr, sys.stderr), daemon=True)]
+    for t in threads:
+        t.start()
+
+    def forward(signum, _frame):
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while proc.poll() is None:
+            if failed.wait(0.2):
+                try:
+                    proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    print(f"mlxrun: mpirun did not exit {grace:.0f}s after the job failed; stopping it",
+                          file=sys.stderr, flush=True)
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+                break
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    for t in threads:
+        t.join(timeout=2)
+    if failed.is_set():
+        print(f"mlxrun: job failed: {reason[0]}", file=sys.stderr, flush=True)
+        return proc.returncode or 1
+    return proc.returncode
 
 
 if __name__ == "__main__":

@@ -42,3 +42,21 @@ def test_launch_runs_training_on_localhost(tmp_path):
                 "data.seq_len=16", "train.steps=2", "metrics.port=0", f"train.out_dir={tmp_path}")
     assert r.returncode == 0, r.stderr
     assert "2 rank(s)" in r.stderr and (tmp_path / "checkpoints" / "step_00000002").is_dir()
+
+
+def test_supervisor_ends_a_job_that_mpirun_would_leave_hanging():
+    import time
+
+    from mlxdist.launcher import supervise
+
+    t0 = time.time()
+    code = supervise(["sh", "-c", "echo 'mlxdist: rank 1 (mac2): stalled 10s in gradient all-reduce' >&2; "
+                      "sleep 60"], grace=1)
+    assert code != 0 and time.time() - t0 < 15
+
+
+def test_supervisor_turns_a_lost_daemon_into_failure():
+    from mlxdist.launcher import supervise
+
+    assert supervise(["sh", "-c", "echo 'A daemon failed to report back' >&2; exit 0"], grace=1) == 1
+    assert supervise(["sh", "-c", "echo all good; exit 0"], grace=1) == 0
