@@ -32,10 +32,10 @@ class EventLog:
 class Progress:
     """`step 120/300 [####......] loss 2.31 | 41.2k tok/s | eta 1m05s` on one redrawn line."""
 
-    def __init__(self, total: int, enabled: bool, stream: TextIO = sys.stderr):
-        self.total, self.enabled, self.stream = total, enabled, stream
+    def __init__(self, total: int, enabled: bool, every: int = 10, stream: TextIO = sys.stderr):
+        """On a terminal the line is redrawn every step; in a log file, every `every` steps."""
+        self.total, self.enabled, self.stream, self.every = total, enabled, stream, every
         self.tty = stream.isatty()
-        self._last_print = 0.0
         self._start: float | None = None
         self._start_step = 0
 
@@ -56,9 +56,9 @@ class Progress:
         if self.tty:
             self.stream.write("\r" + line.ljust(100))
             self.stream.flush()
-        elif now - self._last_print >= 5 or step >= self.total:
+        elif step % self.every == 0 or step >= self.total:
             self.stream.write(line + "\n")
-            self._last_print = now
+            self.stream.flush()
 
     def message(self, text: str) -> None:
         if self.tty and self.enabled:

@@ -266,7 +266,8 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     if warning:
         log(warning)
     events = EventLog(run_dir, world.rank, world.host)
-    progress = Progress(cfg.train.steps, enabled=world.is_main and cfg.train.progress)
+    progress = Progress(cfg.train.steps, enabled=world.is_main and cfg.train.progress,
+                        every=cfg.train.log_every)
     log.progress = progress
     if world.is_main:
         (run_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.to_dict(), sort_keys=False))

@@ -9,7 +9,6 @@ so `init_world` is told which data-plane backend will follow.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -164,6 +163,3 @@ def init_world(backend: str = "mpi4py") -> World:
     return World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local_rank, host=host,
                  launcher="mpirun", comm=comm)
 
-
-def payload_size(obj: Any) -> int:
-    return len(pickle.dumps(obj))
