@@ -82,3 +82,11 @@ def test_reduce_on_plateau_lowers_learning_rate(tmp_path):
                    "control.plateau_factor=0.5", f"train.out_dir={tmp_path}"])
     assert r.returncode == 0, r.stderr
     assert "plateau: eval loss flat for 1 evals; learning rate x0.5" in r.stderr
+
+
+def test_early_stopping_ends_the_run_and_saves(tmp_path):
+    r = run_train([*FAST, "train.steps=50", "train.lr=0", "train.eval_every=2", "train.early_stop_patience=2",
+                   f"train.out_dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr
+    assert "stopped after step 6: early stopping" in r.stderr
+    assert (tmp_path / "checkpoints" / "step_00000006").is_dir()
