@@ -231,8 +231,13 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
 
     def save_checkpoint() -> None:
         batch_states = world.allgather(batch_ctl.state_dict())
-        if not world.is_main:
-            return
+        if world.is_main:
+            write_checkpoint(batch_states)
+        # Peers wait here, with a longer stall allowance, rather than in the next step's
+        # all-reduce, where a big model's slow save would look like a dead rank.
+        world.barrier("waiting for rank 0 to write a checkpoint", patience=10)
+
+    def write_checkpoint(batch_states: list[dict]) -> None:
         t0 = time.perf_counter()
         opt, opt_step = engine.get_optimizer_state()
         meta = {"step": state.step, "position": state.position, "lr_scale": state.lr_scale,

@@ -41,7 +41,7 @@ class World:
     launcher: str = "single"
     comm: Any = None
     stop_requested: bool = False
-    _watch: tuple[str, float] | None = None
+    _watch: tuple[str, float, float] | None = None
     stall_timeout: float = 120.0
 
     @property
@@ -76,9 +76,9 @@ class World:
             self.comm.Allreduce(buf, out, op=MPI.SUM)
         return out.tolist()
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "barrier", patience: float = 1.0) -> None:
         if self.comm is not None:
-            with self.watch("barrier"):
+            with self.watch(what, patience):
                 self.comm.Barrier()
 
     def abort(self, message: str, code: int = 3) -> None:
@@ -89,11 +89,14 @@ class World:
         os._exit(code)
 
     @contextmanager
-    def watch(self, what: str):
-        """Mark a blocking collective so the stall watchdog can name it if it never returns."""
+    def watch(self, what: str, patience: float = 1.0):
+        """Mark a blocking collective so the stall watchdog can name it if it never returns.
+
+        `patience` multiplies the stall timeout, for waits that are long by nature (peers
+        waiting while rank 0 writes a checkpoint of a billion parameters)."""
         outer = self._watch
         if outer is None:
-            self._watch = (what, time.monotonic())
+            self._watch = (what, time.monotonic(), patience)
         try:
             yield
         finally:
@@ -109,9 +112,9 @@ class World:
         while True:
             time.sleep(min(1.0, self.stall_timeout / 4))
             w = self._watch
-            if w and time.monotonic() - w[1] > self.stall_timeout:
+            if w and time.monotonic() - w[1] > self.stall_timeout * w[2]:
                 self.abort(
-                    f"stalled {self.stall_timeout:.0f}s in {w[0]} (dist.stall_timeout_s); "
+                    f"stalled {self.stall_timeout * w[2]:.0f}s in {w[0]} (dist.stall_timeout_s); "
                     "a peer rank died, hangs, or lost its network link; aborting the whole job"
                 )
 
