@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return train(cfg, args.engine, args.device)
-    except (ConfigError, RuntimeError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - one line for the user, traceback on request
+        expected = isinstance(e, (ConfigError, RuntimeError, ValueError, OSError))
+        print(f"error: {e}" if expected else f"error: {type(e).__name__}: {e} "
+              "(set MLXDIST_DEBUG=1 for the traceback)", file=sys.stderr)
         if os.environ.get("MLXDIST_DEBUG"):
             traceback.print_exc()
         _abort_peers(str(e))
@@ -144,7 +146,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
 
     # Model, data, engine
     args = resolve(cfg.model)
-    train_set, eval_set = build_datasets(cfg.data, cfg.train.seed)
+    train_set, eval_set = build_datasets(cfg.data, cfg.train.seed, cfg.model.vocab_size)
     sampler = GlobalSampler(len(train_set), cfg.train.seed)
     if engine_name == "mlx":
         from .collective import make_collective
@@ -194,7 +196,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                 "shares": plan.shares, "micro": plan.micro,
                 **({"plateau": plateau.state_dict()} if plateau is not None else {})}
 
-    def restore(loaded: ckpt.Loaded | None) -> None:
+    def restore(loaded: ckpt.Loaded | None, rolling_back: bool = False) -> None:
         """Rank 0 reads the checkpoint; every rank gets its contents by broadcast."""
         nonlocal state
         meta = None
@@ -213,11 +215,17 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             c = state.controllers
             if "early_stop" in c:
                 stopper.load_state_dict(c["early_stop"])
+            if "health" in c and not rolling_back:
+                health.load_state_dict(c["health"])
+            if meta.get("global_batch") not in (None, plan.global_batch):
+                log(f"resume: global batch {meta['global_batch']} -> {plan.global_batch} (this cluster's "
+                    "node batch sizes x train.accum); set train.global_batch to keep it")
             same_cluster = meta.get("hosts") == hosts and meta.get("global_batch") == plan.global_batch
             if same_cluster and "balancer" in c:
                 balancer.load_state_dict(c["balancer"])
                 batch_ctl.load_state_dict(c["batch_size"][world.rank])
                 plan.shares, plan.micro = list(c["shares"]), list(c["micro"])
+                accum_ctl.plan(plan.shares, plan.micro)
         if engine_name == "mlx":
             engine.broadcast_state(0)
 
@@ -253,13 +261,15 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         log(f"checkpoint: {path} ({seconds:.2f}s)")
 
     def evaluate() -> float:
-        mine = range(world.rank, cfg.train.eval_batches, world.size)
+        """The same held-out windows whatever the cluster layout, so evals stay comparable."""
         loss_sum = tokens = 0.0
-        b = max(plan.micro[world.rank], 1)
-        for i in mine:
+        b = cfg.train.batch_size
+        for i in range(world.rank, cfg.train.eval_batches, world.size):
             idx = [(i * b + j) % len(eval_set) for j in range(b)]
-            ls, n = engine.eval_loss(eval_set.batch(idx))
-            loss_sum, tokens = loss_sum + ls, tokens + n
+            offset = 0
+            for n in micro_batches(b, plan.micro[world.rank]):
+                ls, count = engine.eval_loss(eval_set.batch(idx[offset : offset + n]))
+                loss_sum, tokens, offset = loss_sum + ls, tokens + count, offset + n
         loss_sum, tokens = world.allreduce_sum([loss_sum, tokens])
         return loss_sum / max(tokens, 1)
 
@@ -314,7 +324,6 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                 metrics.decision("batch_size", "oom_shrink")
                 log(f"oom: step {state.step}: {e}; micro-batch {decision.old} -> {decision.new}, retrying the step")
                 events.write("oom", step=state.step, old=decision.old, new=decision.new)
-                plan.micro[world.rank] = decision.new
                 samples = np.concatenate(batches)
                 sizes = micro_batches(len(samples), decision.new)
                 batches = np.split(samples, np.cumsum(sizes)[:-1])
@@ -382,10 +391,18 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             if verdict.rollback:
                 metrics.rollbacks.inc()
                 prefetch.close()
-                restore(ckpt.load_latest(ckpt_dir, warn=log) if world.is_main else None)
-                state.lr_scale *= cfg.control.rollback_lr_scale
-                log(f"rollback: {cfg.control.max_bad_steps} bad steps in a row; back to step {state.step} "
-                    f"with learning rate x{state.lr_scale:g}")
+                before = state.lr_scale
+                latest = ckpt.load_latest(ckpt_dir, warn=log) if world.is_main else None
+                if world.bcast(latest is not None):
+                    restore(latest, rolling_back=True)
+                    where = f"back to step {state.step}"
+                else:
+                    where = "no checkpoint yet, weights kept"
+                # Compounds across rollbacks to the same checkpoint, so a repeating blow-up
+                # meets an ever lower learning rate instead of looping forever.
+                state.lr_scale = min(state.lr_scale, before) * cfg.control.rollback_lr_scale
+                log(f"rollback: {cfg.control.max_bad_steps} bad steps in a row; {where}, "
+                    f"learning rate x{state.lr_scale:g}")
                 events.write("rollback", step=state.step, lr_scale=state.lr_scale)
                 prefetch = start_prefetch()
                 continue

@@ -59,6 +59,7 @@ def test_out_of_memory_retries_step_with_smaller_batch(tmp_path):
     log1 = (oom / "logs" / "rank1.log").read_text()
     assert "oom: step 2" in log1 and "micro-batch 8 -> 6, retrying the step" in log1
     assert logged_steps(oom)[-1]["micro"] == [8, 6]
+    assert "batch: step 3: micro-batches [8, 8] -> [8, 6]" in r.stderr  # every rank re-plans
     # same samples, same update: the retried step changes only the summation order
     assert_same_weights(final_weights(ref), final_weights(oom), atol=1e-5)
 
@@ -68,7 +69,7 @@ def test_nan_steps_are_skipped_counted_and_rolled_back(tmp_path):
                    f"train.out_dir={tmp_path}"], extra_env={"MLXDIST_INJECT_NAN": "4,5,6"})
     assert r.returncode == 0, r.stderr
     assert "non-finite loss/gradients; update skipped (3 so far)" in r.stderr
-    assert "rollback: 3 bad steps in a row; back to step 6 with learning rate x0.5" in r.stderr
+    assert "rollback: 3 bad steps in a row; back to step 6, learning rate x0.5" in r.stderr
     assert [e["step"] for e in _events(tmp_path, "skipped")] == [4, 5, 6]
     assert _events(tmp_path, "rollback")[0]["lr_scale"] == 0.5
     steps = logged_steps(tmp_path)

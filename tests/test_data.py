@@ -6,7 +6,7 @@ import pytest
 
 from mlxdist.data import ByteTokenizer, GlobalSampler, Prefetcher, rank_slice
 from mlxdist.data.datasets import TokenWindows
-from mlxdist.data.shards import read_shards, write_shards
+from mlxdist.data.shards import TokenStream, read_shards, write_shards
 from mlxdist.plan import StepPlan
 
 
@@ -42,7 +42,7 @@ def test_windows_overlap_and_tokenizer_roundtrip():
     tok = ByteTokenizer()
     ids = tok.encode("héllo wörld", eos=True)
     assert tok.decode(ids) == "héllo wörld"
-    w = TokenWindows(np.arange(20), seq_len=5, overlap=2)
+    w = TokenWindows(TokenStream([np.arange(20)]), seq_len=5, overlap=2)
     assert w.window(0).tolist() == [0, 1, 2, 3, 4, 5]
     assert w.window(1).tolist() == [3, 4, 5, 6, 7, 8]
     assert len(w) == 5
@@ -52,9 +52,27 @@ def test_shards_roundtrip(tmp_path):
     docs = [np.arange(10), np.arange(300, 305)]
     index = write_shards(docs, tmp_path, shard_tokens=8)
     assert index["tokens"] == 15 and len(index["shards"]) == 2
-    assert read_shards(tmp_path).tolist() == list(range(10)) + list(range(300, 305))
+    stream, _ = read_shards(tmp_path)
+    assert len(stream) == 15 and all(isinstance(a, np.memmap) for a in stream.arrays)
+    assert stream.read(0, 15).tolist() == list(range(10)) + list(range(300, 305))
+    assert stream.read(7, 12).tolist() == [7, 8, 9, 300, 301]  # crosses the shard boundary
+    assert stream.view(8, 15).read(1, 4).tolist() == [9, 300, 301]
     with pytest.raises(FileNotFoundError, match="mlxdist.prepare"):
         read_shards(tmp_path / "missing")
+
+
+def test_bad_shard_index_and_vocab_mismatch_are_one_line_errors(tmp_path):
+    from mlxdist.config import ConfigError, DataConfig
+    from mlxdist.data.datasets import build_datasets
+
+    write_shards([np.arange(500) % 300], tmp_path, vocab_size=300)
+    cfg = DataConfig(source="shards", path=str(tmp_path), seq_len=16)
+    with pytest.raises(ConfigError, match="vocabulary of 300 > model.vocab_size 258"):
+        build_datasets(cfg, 0, vocab_size=258)
+    assert len(build_datasets(cfg, 0, vocab_size=300)[0]) > 0
+    (tmp_path / "shards.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a valid shard index"):
+        read_shards(tmp_path)
 
 
 def test_prefetch_delivers_in_order_and_measures_wait():

@@ -91,3 +91,11 @@ def test_prepare_then_train_on_shards(tmp_path):
 def test_openblas_announced(tmp_path):
     r = run_train([*FAST, "train.steps=1", f"train.out_dir={tmp_path}"])
     assert "BLAS:" in r.stderr
+
+
+def test_unusable_output_dir_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    r = run_train([*FAST, "train.steps=2", f"train.out_dir={blocker}"])
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr

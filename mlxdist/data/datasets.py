@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import DataConfig
+from ..config import ConfigError, DataConfig
+from .shards import TokenStream, read_shards
 from .synthetic import synthetic_window
 
 
@@ -30,7 +31,7 @@ class TokenWindows(Dataset):
     Overlap lets a long document's every token appear with left context in some window.
     """
 
-    tokens: np.ndarray
+    tokens: TokenStream
     seq_len: int
     overlap: int = 0
 
@@ -46,7 +47,7 @@ class TokenWindows(Dataset):
 
     def window(self, i: int) -> np.ndarray:
         start = i * self.stride
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
+        return np.asarray(self.tokens.read(start, start + self.seq_len + 1), dtype=np.int32)
 
 
 @dataclass
@@ -63,7 +64,7 @@ class SyntheticTask(Dataset):
         return synthetic_window(self.task, self.seed, i, self.seq_len)
 
 
-def build_datasets(cfg: DataConfig, seed: int) -> tuple[Dataset, Dataset]:
+def build_datasets(cfg: DataConfig, seed: int, vocab_size: int = 258) -> tuple[Dataset, Dataset]:
     """(train, eval) for the configured source; eval is a held-out tail, never trained on."""
     if cfg.source == "synthetic":
         return (SyntheticTask(cfg.task, seed, cfg.seq_len),
@@ -71,11 +72,16 @@ def build_datasets(cfg: DataConfig, seed: int) -> tuple[Dataset, Dataset]:
     if cfg.source == "builtin":
         from .corpus import builtin_tokens
 
-        tokens = builtin_tokens()
+        tokens = TokenStream([builtin_tokens()])
     else:
-        from .shards import read_shards
-
-        tokens = read_shards(cfg.path)
+        tokens, index = read_shards(cfg.path)
+        if index.get("vocab_size", 0) > vocab_size:
+            raise ConfigError(f"data.path: shards in {cfg.path} use a vocabulary of {index['vocab_size']} "
+                              f"> model.vocab_size {vocab_size}; set model.vocab_size={index['vocab_size']}")
     n_eval = max(cfg.seq_len + 1, int(len(tokens) * cfg.eval_fraction))
-    train, held = tokens[:-n_eval], tokens[-n_eval:]
-    return TokenWindows(train, cfg.seq_len, cfg.overlap), TokenWindows(held, cfg.seq_len, 0)
+    if len(tokens) < n_eval + cfg.seq_len + 1:
+        raise ConfigError(f"data: {len(tokens)} tokens is too few for data.seq_len={cfg.seq_len} "
+                          "(need one training window plus a held-out one)")
+    cut = len(tokens) - n_eval
+    return (TokenWindows(tokens.view(0, cut), cfg.seq_len, cfg.overlap),
+            TokenWindows(tokens.view(cut, len(tokens)), cfg.seq_len, 0))

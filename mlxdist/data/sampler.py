@@ -15,14 +15,14 @@ class GlobalSampler:
     def __init__(self, n_samples: int, seed: int):
         self.n = n_samples
         self.seed = seed
-        self._perm_epoch = -1
-        self._perm: np.ndarray | None = None
+        self._cache: tuple[int, np.ndarray | None] = (-1, None)
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng((self.seed, epoch)).permutation(self.n)
-            self._perm_epoch = epoch
-        return self._perm
+        cached = self._cache  # one tuple: two prefetch threads never see a torn update
+        if cached[0] != epoch:
+            cached = (epoch, np.random.default_rng((self.seed, epoch)).permutation(self.n))
+            self._cache = cached
+        return cached[1]
 
     def indices(self, start: int, count: int) -> np.ndarray:
         """Dataset indices of stream positions [start, start + count)."""

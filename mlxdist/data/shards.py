@@ -49,15 +49,49 @@ def write_shards(docs: Iterable[np.ndarray], out_dir: str | Path, shard_tokens: 
     return index
 
 
-def read_shards(path: str | Path) -> np.ndarray:
-    """All shards as one token array (memmapped when there is a single shard)."""
+class TokenStream:
+    """Several shard memmaps read as one token sequence, without loading them.
+
+    Slices that cross a shard boundary are stitched from the two pieces; nothing else is
+    ever copied, so a 10 GB corpus costs each rank only the windows it reads.
+    """
+
+    def __init__(self, arrays: list[np.ndarray], start: int = 0, stop: int | None = None):
+        self.arrays = arrays
+        self.offsets = np.cumsum([0] + [len(a) for a in arrays])
+        self.start = start
+        self.stop = int(self.offsets[-1]) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def view(self, start: int, stop: int) -> TokenStream:
+        return TokenStream(self.arrays, self.start + start, self.start + stop)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        lo, hi = self.start + start, self.start + min(stop, len(self))
+        parts = []
+        while lo < hi:
+            k = int(np.searchsorted(self.offsets, lo, side="right")) - 1
+            end = min(hi, int(self.offsets[k + 1]))
+            parts.append(self.arrays[k][lo - self.offsets[k] : end - self.offsets[k]])
+            lo = end
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def read_shards(path: str | Path) -> tuple[TokenStream, dict]:
+    """All shards as one lazily read token stream, and the index describing them."""
     root = Path(path)
     index_file = root / INDEX if root.is_dir() else root
     if not index_file.is_file():
         raise FileNotFoundError(f"data.path: no {INDEX} in '{path}'; make one with `python -m mlxdist.prepare`")
-    index = json.loads(index_file.read_text())
-    arrays = [np.memmap(index_file.parent / s["file"], dtype=index["dtype"], mode="r")
-              for s in index["shards"]]
+    try:
+        index = json.loads(index_file.read_text())
+        arrays = [np.memmap(index_file.parent / s["file"], dtype=index["dtype"], mode="r")
+                  for s in index["shards"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"data.path: {index_file} is not a valid shard index ({e}); "
+                         "remake it with `python -m mlxdist.prepare`") from None
     if not arrays:
         raise ValueError(f"data.path: '{path}' has no shards")
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    return TokenStream(arrays), index
