@@ -146,7 +146,10 @@ def supervise(cmd: list[str], grace: float = 10.0) -> int:
     for t in threads:
         t.start()
 
+    interrupted = threading.Event()
+
     def forward(signum, _frame):
+        interrupted.set()
         proc.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -173,6 +176,10 @@ def supervise(cmd: list[str], grace: float = 10.0) -> int:
     if failed.is_set():
         print(f"mlxrun: job failed: {reason[0]}", file=sys.stderr, flush=True)
         return proc.returncode or 1
+    if interrupted.is_set():
+        # mpirun drops the ranks' last lines while it shuts down; say what they did.
+        print("mlxrun: stopped; the ranks saved a checkpoint at the step they agreed on: "
+              "continue with --resume auto", file=sys.stderr, flush=True)
     return proc.returncode
 
 
