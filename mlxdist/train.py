@@ -17,7 +17,21 @@ from pathlib import Path
 
 import numpy as np
 
+from . import checkpoint as ckpt
 from .config import Config, ConfigError, load_config
+from .control import BatchSizeError, micro_batches
+from .controllers import Controllers
+from .data import GlobalSampler, Prefetcher, build_datasets
+from .engine import make_engine
+from .events import EventLog, Progress
+from .faults import Faults
+from .memory import memory_reading, reset_peak
+from .metrics import Metrics
+from .models.presets import human, param_count, resolve
+from .plan import BatchMaker, StepPlan
+from .world import World, init_world, launched_by_mpirun, resolve_backend
+
+# Nothing above imports MLX: `main` may still re-exec the process with OpenBLAS preloaded.
 
 # --------------------------------------------------------------------------- CLI
 
@@ -107,28 +121,6 @@ class Log:
 
 
 def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
-    from . import checkpoint as ckpt
-    from .control import (
-        AccumulationController,
-        BatchSizeController,
-        BatchSizeError,
-        EarlyStopping,
-        HealthMonitor,
-        LoadBalancer,
-        LRSchedule,
-        ReduceOnPlateau,
-        micro_batches,
-    )
-    from .data import GlobalSampler, Prefetcher, build_datasets
-    from .engine import make_engine
-    from .events import EventLog, Progress
-    from .faults import Faults
-    from .memory import memory_reading, reset_peak
-    from .metrics import Metrics
-    from .models.presets import human, param_count, resolve
-    from .plan import BatchMaker, StepPlan
-    from .world import World, init_world, launched_by_mpirun, resolve_backend
-
     backend = resolve_backend(cfg.dist.backend)
     if engine_name == "torch":
         from .engine.torch_engine import check_single_node
@@ -172,29 +164,10 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     my_micro = cfg.node_for(world.host, world.rank).batch_size if cfg.nodes else cfg.train.batch_size
     hosts = world.allgather(world.host)
     plan = StepPlan.initial(world.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
-    schedule = LRSchedule(cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio,
-                          cfg.train.schedule)
-    health = HealthMonitor(window=cfg.control.health_window, variance_warn=cfg.control.loss_variance_warn,
-                           max_bad_steps=cfg.control.max_bad_steps)
-    plateau = ReduceOnPlateau(cfg.control.plateau_patience, cfg.control.plateau_factor) \
-        if cfg.control.plateau_patience else None
-    stopper = EarlyStopping(cfg.train.early_stop_patience, cfg.train.early_stop_min_delta)
-    balancer = LoadBalancer(plan.global_batch, world.size, hysteresis=cfg.control.balance_hysteresis,
-                            interval=cfg.control.balance_interval, initial_shares=plan.shares)
     node = cfg.node_for(world.host, world.rank)
-    batch_ctl = BatchSizeController(my_micro, min(cfg.control.min_batch, my_micro),
-                                    max(cfg.control.max_batch, my_micro),
-                                    target_fraction=node.memory_target or cfg.control.memory_target)
-    accum_ctl = AccumulationController(plan.global_batch, cfg.train.max_accum)
-    accum_ctl.plan(plan.shares, plan.micro)
+    ctl = Controllers.build(cfg, plan, my_micro, node.memory_target, world.size)
     state = RunState()
     ckpt_dir = run_dir / "checkpoints"
-
-    def controllers_state(batch_states: list[dict]) -> dict:
-        return {"balancer": balancer.state_dict(), "health": health.state_dict(),
-                "early_stop": stopper.state_dict(), "batch_size": batch_states,
-                "shares": plan.shares, "micro": plan.micro,
-                **({"plateau": plateau.state_dict()} if plateau is not None else {})}
 
     def restore(loaded: ckpt.Loaded | None, rolling_back: bool = False) -> None:
         """Rank 0 reads the checkpoint; every rank gets its contents by broadcast."""
@@ -210,22 +183,12 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             state = RunState(meta["step"], meta["position"], meta.get("lr_scale", 1.0),
                              meta.get("plateau_scale", 1.0), meta.get("eval_loss"), meta.get("best_eval"),
                              meta.get("controllers", {}))
-            if plateau is not None and "plateau" in state.controllers:
-                plateau.load_state_dict(state.controllers["plateau"])
-            c = state.controllers
-            if "early_stop" in c:
-                stopper.load_state_dict(c["early_stop"])
-            if "health" in c and not rolling_back:
-                health.load_state_dict(c["health"])
             if meta.get("global_batch") not in (None, plan.global_batch):
                 log(f"resume: global batch {meta['global_batch']} -> {plan.global_batch} (this cluster's "
                     "node batch sizes x train.accum); set train.global_batch to keep it")
             same_cluster = meta.get("hosts") == hosts and meta.get("global_batch") == plan.global_batch
-            if same_cluster and "balancer" in c:
-                balancer.load_state_dict(c["balancer"])
-                batch_ctl.load_state_dict(c["batch_size"][world.rank])
-                plan.shares, plan.micro = list(c["shares"]), list(c["micro"])
-                accum_ctl.plan(plan.shares, plan.micro)
+            ctl.load_state_dict(state.controllers, plan, world.rank, same_cluster=same_cluster,
+                                rolling_back=rolling_back)
         if engine_name == "mlx":
             engine.broadcast_state(0)
 
@@ -238,7 +201,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     restore(loaded)
 
     def save_checkpoint() -> None:
-        batch_states = world.allgather(batch_ctl.state_dict())
+        batch_states = world.allgather(ctl.batch.state_dict())
         if world.is_main:
             write_checkpoint(batch_states)
         # Peers wait here, with a longer stall allowance, rather than in the next step's
@@ -251,7 +214,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         meta = {"step": state.step, "position": state.position, "lr_scale": state.lr_scale,
                 "plateau_scale": state.plateau_scale,
                 "eval_loss": state.eval_loss, "best_eval": state.best_eval, "optimizer_step": opt_step,
-                "controllers": controllers_state(batch_states), "world_size": world.size, "hosts": hosts,
+                "controllers": ctl.state_dict(batch_states, plan), "world_size": world.size, "hosts": hosts,
                 "engine": engine_name, "config": cfg.to_dict(), "global_batch": plan.global_batch}
         path = ckpt.save(ckpt_dir, state.step, engine.get_weights(), opt, meta, cfg.checkpoint.zstd_level)
         ckpt.apply_retention(ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best)
@@ -259,19 +222,6 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         metrics.checkpoint_seconds.observe(seconds)
         events.write("checkpoint", step=state.step, path=str(path), seconds=seconds)
         log(f"checkpoint: {path} ({seconds:.2f}s)")
-
-    def evaluate() -> float:
-        """The same held-out windows whatever the cluster layout, so evals stay comparable."""
-        loss_sum = tokens = 0.0
-        b = cfg.train.batch_size
-        for i in range(world.rank, cfg.train.eval_batches, world.size):
-            idx = [(i * b + j) % len(eval_set) for j in range(b)]
-            offset = 0
-            for n in micro_batches(b, plan.micro[world.rank]):
-                ls, count = engine.eval_loss(eval_set.batch(idx[offset : offset + n]))
-                loss_sum, tokens, offset = loss_sum + ls, tokens + count, offset + n
-        loss_sum, tokens = world.allreduce_sum([loss_sum, tokens])
-        return loss_sum / max(tokens, 1)
 
     # Observability
     metrics = Metrics(world.rank, world.host)
@@ -298,35 +248,16 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         return Prefetcher(lambda s: make_batches(base_pos + (s - base_step) * frozen.global_batch, frozen),
                           start=state.step, depth=cfg.data.prefetch)
 
-    def run_micro_steps(batches: list) -> None:
-        """Forward/backward over this rank's share; on out-of-memory, shrink and redo the share.
-
-        Only this rank retries: its share of the step is unchanged, so the peers simply wait
-        in the all-reduce, and the new micro-batch size is shared at the next all-gather.
-        """
-        while True:
-            try:
-                if faults.take_oom(world.rank, state.step):
-                    raise MemoryError("injected out-of-memory (MLXDIST_INJECT_OOM)")
-                for batch in batches:
-                    engine.micro_step(batch)
-                return
-            except (MemoryError, RuntimeError) as e:
-                if not isinstance(e, MemoryError) and not _looks_like_oom(e):
-                    raise
-                engine.discard_gradients()
-                engine.clear_cache()
-                try:
-                    decision = batch_ctl.on_oom()
-                except BatchSizeError as stuck:
-                    raise RuntimeError(f"{world.label}: out of memory at the smallest batch size "
-                                       f"(control.min_batch={cfg.control.min_batch}): {stuck}") from None
-                metrics.decision("batch_size", "oom_shrink")
-                log(f"oom: step {state.step}: {e}; micro-batch {decision.old} -> {decision.new}, retrying the step")
-                events.write("oom", step=state.step, old=decision.old, new=decision.new)
-                samples = np.concatenate(batches)
-                sizes = micro_batches(len(samples), decision.new)
-                batches = np.split(samples, np.cumsum(sizes)[:-1])
+    def shrink_after_oom(error: BaseException) -> int:
+        try:
+            decision = ctl.batch.on_oom()
+        except BatchSizeError as stuck:
+            raise RuntimeError(f"{world.label}: out of memory at the smallest batch size "
+                               f"(control.min_batch={cfg.control.min_batch}): {stuck}") from None
+        metrics.decision("batch_size", "oom_shrink")
+        log(f"oom: step {state.step}: {error}; micro-batch {decision.old} -> {decision.new}, retrying the step")
+        events.write("oom", step=state.step, old=decision.old, new=decision.new)
+        return decision.new
 
     def agree_on_plan(gathered: list) -> bool:
         """Apply micro-batch sizes and balancer shares that every rank computed the same way."""
@@ -337,30 +268,18 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             events.write("batch_size", step=state.step, old=plan.micro, new=micro)
             plan.micro, changed = micro, True
         if cfg.control.balance and world.size > 1:
-            new = balancer.observe(state.step, [g["samples"] for g in gathered],
+            new = ctl.balancer.observe(state.step, [g["samples"] for g in gathered],
                                    [g["compute_s"] for g in gathered])
             if new is not None and new != plan.shares:
                 log(f"balance: step {state.step}: shares {plan.shares} -> {new} "
-                    f"(rates {[round(r or 0, 1) for r in balancer.rates]} samples/s)")
+                    f"(rates {[round(r or 0, 1) for r in ctl.balancer.rates]} samples/s)")
                 events.write("balance", step=state.step, old=plan.shares, new=new)
                 metrics.decision("balancer", "resplit")
                 plan.shares, changed = new, True
         if changed:
-            accum = accum_ctl.plan(plan.shares, plan.micro)
+            accum = ctl.accum.plan(plan.shares, plan.micro)
             events.write("accumulation", step=state.step, accum=accum)
         return changed
-
-    def check_drift() -> None:
-        from .sync import checksum
-
-        sums = world.allgather(checksum(engine.weight_arrays()))
-        if len(set(sums)) > 1:
-            bad = [r for r, s in enumerate(sums) if s != sums[0]]
-            log(f"drift: step {state.step}: weights on rank(s) {bad} differ from rank 0; "
-                "repaired by broadcast from rank 0")
-            engine.broadcast_state(0)
-            metrics.drift_repairs.inc()
-            events.write("drift_repair", step=state.step, ranks=bad)
 
     faults = Faults.from_env()
     prefetch = start_prefetch()
@@ -373,20 +292,22 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             batches = prefetch.get(state.step)
             reset_peak(engine_name)
             t_compute = time.perf_counter()
-            run_micro_steps(batches)
+            if faults.take_oom(world.rank, state.step):
+                batches = [_InjectedOOM(), *batches]
+            run_share(engine, batches, shrink_after_oom)
             compute_s = time.perf_counter() - t_compute
             if faults.take_nan(state.step):
                 engine.poison_loss()
             # 2. sync gradients and update (every rank sees the same loss and norm)
-            lr = schedule(state.step, state.lr_scale * state.plateau_scale)
+            lr = ctl.schedule(state.step, state.lr_scale * state.plateau_scale)
             stats = engine.step(lr)
-            verdict = health.observe(state.step, stats.loss, stats.grad_norm)
+            verdict = ctl.health.observe(state.step, stats.loss, stats.grad_norm)
             for w in verdict.warnings:
                 log(f"health: {w}")
             if stats.skipped:
                 metrics.nonfinite.inc()
                 log(f"step {state.step}: non-finite loss/gradients; update skipped "
-                    f"({health.nonfinite_total} so far)")
+                    f"({ctl.health.nonfinite_total} so far)")
                 events.write("skipped", step=state.step)
             if verdict.rollback:
                 metrics.rollbacks.inc()
@@ -415,14 +336,14 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             memory = memory_reading(engine_name)
             my_samples = plan.shares[world.rank]
             if cfg.control.adapt_batch:
-                decision = batch_ctl.observe(memory.peak, memory.limit)
+                decision = ctl.batch.observe(memory.peak, memory.limit)
                 if decision is not None:
                     metrics.decision("batch_size", "shrink" if decision.new < decision.old else "grow")
                     log(f"batch: rank {world.rank}: {decision.reason}; micro-batch {decision.old} -> {decision.new}")
             if cfg.control.clear_cache_every and state.step % cfg.control.clear_cache_every == 0:
                 engine.clear_cache()
             gathered = world.allgather({"samples": my_samples, "compute_s": compute_s,
-                                        "micro": batch_ctl.batch, "stop": world.stop_requested})
+                                        "micro": ctl.batch.batch, "stop": world.stop_requested})
             if any(g["stop"] for g in gathered):
                 stop_reason = "signal"
             if agree_on_plan(gathered):
@@ -430,7 +351,12 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                 prefetch = start_prefetch()
             every = cfg.dist.sync_weights_every
             if world.size > 1 and every and state.step % every == 0:
-                check_drift()
+                bad = repair_drift(world, engine)
+                if bad:
+                    log(f"drift: step {state.step}: weights on rank(s) {bad} differ from rank 0; "
+                        "repaired by broadcast from rank 0")
+                    metrics.drift_repairs.inc()
+                    events.write("drift_repair", step=state.step, ranks=bad)
 
             # 4. report
             step_s = time.perf_counter() - t_step
@@ -452,20 +378,20 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             # 5. evaluate, stop early, checkpoint
             last = state.step >= cfg.train.steps or stop_reason is not None
             if cfg.train.eval_every and (state.step % cfg.train.eval_every == 0 or last):
-                state.eval_loss = evaluate()
+                state.eval_loss = evaluate(engine, world, eval_set, cfg.train, plan.micro[world.rank])
                 metrics.eval_loss.set(state.eval_loss)
                 events.write("eval", step=state.step, eval_loss=state.eval_loss)
                 log(f"eval: step {state.step}: loss {state.eval_loss:.4f}")
                 if state.best_eval is None or state.eval_loss < state.best_eval:
                     state.best_eval = state.eval_loss
-                if plateau is not None:
-                    scale = plateau.observe(state.eval_loss)
+                if ctl.plateau is not None:
+                    scale = ctl.plateau.observe(state.eval_loss)
                     if scale != state.plateau_scale:
                         log(f"plateau: eval loss flat for {cfg.control.plateau_patience} evals; "
                             f"learning rate x{scale:g}")
                         metrics.decision("plateau", "reduce_lr")
                         state.plateau_scale = scale
-                if stopper.observe(state.eval_loss):
+                if ctl.stopper.observe(state.eval_loss):
                     stop_reason = stop_reason or "early stopping"
                     last = True
             every = cfg.checkpoint.every
@@ -483,6 +409,61 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     events.write("end", step=state.step, reason=stop_reason or "completed")
     events.close()
     return 0
+
+
+def evaluate(engine, world, eval_set, train_cfg, micro: int) -> float:
+    """Mean token loss on the same held-out windows whatever the cluster layout, so evals
+    taken before and after a re-split, an OOM shrink, or a resume stay comparable."""
+    loss_sum = tokens = 0.0
+    b = train_cfg.batch_size
+    for i in range(world.rank, train_cfg.eval_batches, world.size):
+        idx = [(i * b + j) % len(eval_set) for j in range(b)]
+        offset = 0
+        for n in micro_batches(b, micro):
+            ls, count = engine.eval_loss(eval_set.batch(idx[offset : offset + n]))
+            loss_sum, tokens, offset = loss_sum + ls, tokens + count, offset + n
+    loss_sum, tokens = world.allreduce_sum([loss_sum, tokens])
+    return loss_sum / max(tokens, 1)
+
+
+class _InjectedOOM:
+    """Stands in the batch list to fail the first micro-step (MLXDIST_INJECT_OOM)."""
+
+
+def run_share(engine, batches: list, shrink) -> None:
+    """Forward/backward over this rank's share of the step; on out-of-memory, shrink the
+    micro-batch (`shrink(error) -> new size`) and redo the same samples.
+
+    Only this rank retries: its share is unchanged, so the peers simply wait in the
+    all-reduce, and the new size reaches them at the next all-gather.
+    """
+    while True:
+        try:
+            for batch in batches:
+                if isinstance(batch, _InjectedOOM):
+                    raise MemoryError("injected out-of-memory (MLXDIST_INJECT_OOM)")
+                engine.micro_step(batch)
+            return
+        except (MemoryError, RuntimeError) as e:
+            if not isinstance(e, MemoryError) and not _looks_like_oom(e):
+                raise
+            engine.discard_gradients()
+            engine.clear_cache()
+            samples = np.concatenate([b for b in batches if not isinstance(b, _InjectedOOM)])
+            sizes = micro_batches(len(samples), shrink(e))
+            batches = np.split(samples, np.cumsum(sizes)[:-1])
+
+
+def repair_drift(world, engine) -> list[int]:
+    """All-gather weight checksums; broadcast rank 0's state if any differ. Returns the
+    ranks that had drifted (empty when all agree)."""
+    from .sync import checksum
+
+    sums = world.allgather(checksum(engine.weight_arrays()))
+    bad = [r for r, s in enumerate(sums) if s != sums[0]]
+    if bad:
+        engine.broadcast_state(0)
+    return bad
 
 
 def _looks_like_oom(e: Exception) -> bool:

@@ -99,3 +99,8 @@ def test_unusable_output_dir_is_a_one_line_error(tmp_path):
     r = run_train([*FAST, "train.steps=2", f"train.out_dir={blocker}"])
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr
+
+
+def test_cli_module_does_not_import_mlx_before_blas_reexec():
+    code = "import sys, mlxdist.train; sys.exit(int(any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], env=env(), timeout=60).returncode == 0

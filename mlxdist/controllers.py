@@ -1,0 +1,75 @@
+"""The run's decision policies, built from the config and saved/restored as one unit.
+
+Plain Python like the policies themselves: the loop asks them, they never touch arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import Config
+from .control import (
+    AccumulationController,
+    BatchSizeController,
+    EarlyStopping,
+    HealthMonitor,
+    LoadBalancer,
+    LRSchedule,
+    ReduceOnPlateau,
+)
+from .plan import StepPlan
+
+
+@dataclass
+class Controllers:
+    schedule: LRSchedule
+    health: HealthMonitor
+    plateau: ReduceOnPlateau | None
+    stopper: EarlyStopping
+    balancer: LoadBalancer
+    batch: BatchSizeController  # this rank's micro-batch size
+    accum: AccumulationController
+
+    @classmethod
+    def build(cls, cfg: Config, plan: StepPlan, my_micro: int, memory_target: float | None,
+              world_size: int) -> Controllers:
+        c, t = cfg.control, cfg.train
+        accum = AccumulationController(plan.global_batch, t.max_accum)
+        accum.plan(plan.shares, plan.micro)
+        return cls(
+            schedule=LRSchedule(t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.schedule),
+            health=HealthMonitor(window=c.health_window, variance_warn=c.loss_variance_warn,
+                                 max_bad_steps=c.max_bad_steps),
+            plateau=ReduceOnPlateau(c.plateau_patience, c.plateau_factor) if c.plateau_patience else None,
+            stopper=EarlyStopping(t.early_stop_patience, t.early_stop_min_delta),
+            balancer=LoadBalancer(plan.global_batch, world_size, hysteresis=c.balance_hysteresis,
+                                  interval=c.balance_interval, initial_shares=plan.shares),
+            batch=BatchSizeController(my_micro, min(c.min_batch, my_micro), max(c.max_batch, my_micro),
+                                      target_fraction=memory_target or c.memory_target),
+            accum=accum,
+        )
+
+    def state_dict(self, batch_states: list[dict], plan: StepPlan) -> dict:
+        """`batch_states` holds every rank's batch controller (they differ by node)."""
+        state = {"balancer": self.balancer.state_dict(), "health": self.health.state_dict(),
+                 "early_stop": self.stopper.state_dict(), "batch_size": batch_states,
+                 "shares": plan.shares, "micro": plan.micro}
+        if self.plateau is not None:
+            state["plateau"] = self.plateau.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict, plan: StepPlan, rank: int, *, same_cluster: bool,
+                        rolling_back: bool) -> None:
+        """Split and per-rank batch sizes only carry over onto the very same cluster; on a
+        different one they start afresh from its `nodes:` settings."""
+        if "early_stop" in state:
+            self.stopper.load_state_dict(state["early_stop"])
+        if self.plateau is not None and "plateau" in state:
+            self.plateau.load_state_dict(state["plateau"])
+        if "health" in state and not rolling_back:  # a rollback starts a clean window
+            self.health.load_state_dict(state["health"])
+        if same_cluster and "balancer" in state:
+            self.balancer.load_state_dict(state["balancer"])
+            self.batch.load_state_dict(state["batch_size"][rank])
+            plan.shares, plan.micro = list(state["shares"]), list(state["micro"])
+            self.accum.plan(plan.shares, plan.micro)
