@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="launch/mlxrun", description=__doc__.splitlines()[0],
                                 epilog="example: launch/mlxrun --hostfile hostfiles/studio+macbook.hosts "
                                        "-- --config configs/cluster.yaml")
-    p.add_argument("--hostfile", required=True)
+    p.add_argument("--hostfile", help="Open MPI hostfile (name slots=N per line)")
+    p.add_argument("--simcluster", metavar="NAME",
+                   help="rehearse on a namespace cluster made by `launch/simcluster up` (e.g. mlxsim)")
     p.add_argument("--iface", help="network interface or CIDR for MPI traffic, e.g. en0, bridge0, 10.0.0.0/24")
     p.add_argument("--tcp-links", type=int, default=2, help="TCP connections per peer (Thunderbolt: 4)")
     p.add_argument("--python", default=sys.executable, help="python on every host (same path)")
@@ -104,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then python -m mlxdist.train arguments")
     args = p.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if args.simcluster:
+        return launch_on_simcluster(args.simcluster, train_args, args)
+    if not args.hostfile:
+        p.error("one of --hostfile or --simcluster is required")
     try:
         hosts = read_hostfile(args.hostfile)
         if not args.no_check:
@@ -120,6 +126,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     return supervise(cmd)
+
+
+def launch_on_simcluster(name: str, train_args: list[str], args: argparse.Namespace) -> int:
+    """The same launch onto namespace hosts: their ssh stand-in instead of ssh, their subnet."""
+    from .simcluster import DEFAULT_STATE_ROOT, SimCluster
+
+    state = DEFAULT_STATE_ROOT / name
+    if not (state / "state.json").exists():
+        print(f"error: no simulated cluster '{name}' in {state}; make one with "
+              "`sudo launch/simcluster up --hosts 2`", file=sys.stderr)
+        return 2
+    cluster = SimCluster.load(state)
+    n = sum(h.slots for h in read_hostfile(cluster.hostfile))
+    mpirun = shutil.which("mpirun") or str(Path(args.python).parent / "mpirun")
+    cmd = [mpirun, *cluster.mpirun_args(env=["MLX_MPI_LIBNAME=libmpi.so.40", *args.env]), "-np", str(n),
+           "--bind-to", "none", "--mca", "btl_tcp_links", str(args.tcp_links),
+           args.python, "-m", "mlxdist.train", *train_args]
+    print(shlex.join(cmd), flush=True)
+    return 0 if args.dry_run else supervise(cmd)
 
 
 # Lines after which the job is over even if mpirun does not think so: Open MPI 5 exits 0

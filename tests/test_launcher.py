@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT, env
 
 from mlxdist.launcher import read_hostfile
@@ -60,3 +61,20 @@ def test_supervisor_turns_a_lost_daemon_into_failure():
 
     assert supervise(["sh", "-c", "echo 'A daemon failed to report back' >&2; exit 0"], grace=1) == 1
     assert supervise(["sh", "-c", "echo all good; exit 0"], grace=1) == 0
+
+
+@pytest.mark.cluster
+@pytest.mark.netns
+def test_mlxrun_rehearses_on_a_simulated_cluster(tmp_path):
+    from mlxdist.simcluster import SimCluster, available
+
+    ok, why = available()
+    if not ok:
+        pytest.skip(why)
+    with SimCluster(2, name="mlxrunt", subnet="10.77.31"):
+        r = _mlxrun("--simcluster", "mlxrunt", "--", "data.source=synthetic", "data.seq_len=16",
+                    "train.steps=2", "metrics.port=0", f"train.out_dir={tmp_path}", "dist.backend=mlx-mpi")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "on mlxrunt1, mlxrunt2" in r.stderr and (tmp_path / "checkpoints" / "step_00000002").is_dir()
+    r = _mlxrun("--simcluster", "nosuchcluster", "--dry-run")
+    assert r.returncode == 2 and "launch/simcluster up" in r.stderr
