@@ -165,7 +165,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() == "none")):
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], where)
@@ -243,8 +243,6 @@ def parse_override(text: str) -> dict:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    if isinstance(value, str) and raw.strip().lower() in ("none", "null"):
-        value = None
     out: dict = {}
     node = out
     parts = key.strip().split(".")

@@ -20,6 +20,8 @@ def test_defaults_and_overrides(tmp_path):
 def test_override_parsing_types():
     assert parse_override("train.steps=10") == {"train": {"steps": 10}}
     assert parse_override("train.global_batch=null") == {"train": {"global_batch": None}}
+    cfg = load_config(None, ["checkpoint.resume=none", "train.global_batch=none", "data.path=null"])
+    assert cfg.checkpoint.resume == "none" and cfg.train.global_batch is None and cfg.data.path is None
 
 
 @pytest.mark.parametrize("text, message", [
