@@ -269,7 +269,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             plan.micro, changed = micro, True
         if cfg.control.balance and world.size > 1:
             new = ctl.balancer.observe(state.step, [g["samples"] for g in gathered],
-                                   [g["compute_s"] for g in gathered])
+                                       [g["compute_s"] for g in gathered])
             if new is not None and new != plan.shares:
                 log(f"balance: step {state.step}: shares {plan.shares} -> {new} "
                     f"(rates {[round(r or 0, 1) for r in ctl.balancer.rates]} samples/s)")
