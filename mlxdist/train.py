@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="torch engine: auto|cuda|mps|cpu")
     p.add_argument("--resume", help="shortcut for checkpoint.resume=VALUE (auto, none or a checkpoint dir)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may sit on either side of --options
 
 
 def main(argv: list[str] | None = None) -> int:

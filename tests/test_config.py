@@ -61,3 +61,10 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mlxdist.train", "--config", str(tmp_path / "nope.yaml")],
                        capture_output=True, text=True, env=env(), timeout=60)
     assert r.returncode == 2 and "config file not found" in r.stderr
+
+
+def test_cli_overrides_and_options_mix():
+    from mlxdist.train import parse_args
+
+    a = parse_args(["train.steps=3", "--resume", "auto", "train.lr=1e-3", "--engine", "torch"])
+    assert a.overrides == ["train.steps=3", "train.lr=1e-3"] and a.resume == "auto" and a.engine == "torch"
