@@ -91,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m mlxdist.bench {overhead,allreduce,balance} [options]")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    try:
+        return _run(name, rest)
+    except FileNotFoundError as e:  # mpirun or a data file: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(name: str, rest: list[str]) -> int:
     if name == "overhead":
         from .blas import ensure_openblas
 

