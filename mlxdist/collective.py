@@ -6,7 +6,7 @@ Three transports behind one small interface, chosen by `dist.backend`:
 - `mlx-mpi`: `mx.distributed` with its MPI backend;
 - `mlx-ring`: `mx.distributed` with its TCP ring backend, bootstrapped over mpi4py.
 `auto` picks mpi4py: with the ring it measured fastest on loopback and between hosts
-on shaped links (`python -m mlxdist.bench_allreduce`; see README, "Choosing a backend").
+on shaped links (`python -m mlxdist.bench allreduce`; see README, "Choosing a backend").
 
 Why our own ring: Open MPI's Allreduce (and Iallreduce, worse) left a shaped 1 Gbit/s
 link idle for a third to a half of the time between two hosts. A ring reduce-scatter +

@@ -40,17 +40,34 @@ class ModelConfig:
     tie_embeddings: bool = True
     checkpoint_every: int = field(default=0, metadata=_range(0))
     dtype: str = field(default="float32", metadata=_range(choices=("float32", "bfloat16", "float16")))
+    # A pretrained model: a Hugging Face directory or a .gguf file (needs the `hf` extra).
+    path: str | None = None
+    quantize: int | None = field(default=None, metadata=_range(choices=(4, 8)))
+
+
+@dataclass
+class FinetuneConfig:
+    method: str = field(default="full", metadata=_range(choices=("full", "lora", "dora")))
+    rank: int = field(default=8, metadata=_range(1))
+    alpha: float = field(default=16.0, metadata=_range(0.0))
+    dropout: float = field(default=0.0, metadata=_range(0.0, 1.0))
+    # Comma-separated module names (the model's own, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj).
+    targets: str = "q_proj,v_proj"
+    layers: int = field(default=0, metadata=_range(0))  # adapt the last N layers; 0 = all
+    train_norms: bool = False
 
 
 @dataclass
 class DataConfig:
-    source: str = field(default="builtin", metadata=_range(choices=("builtin", "shards", "synthetic")))
+    source: str = field(default="builtin", metadata=_range(choices=("builtin", "shards", "synthetic", "jsonl")))
     path: str | None = None
     task: str = field(default="copy", metadata=_range(choices=("copy", "reverse", "sort", "count")))
     seq_len: int = field(default=128, metadata=_range(4))
     overlap: int = field(default=0, metadata=_range(0))
     prefetch: int = field(default=4, metadata=_range(0, 1024))
     eval_fraction: float = field(default=0.02, metadata=_range(0.0, 0.5))
+    mask_prompt: bool = True  # jsonl prompt/completion and chat data: loss on the answer only
+    pack: bool = False  # jsonl: pack short examples into full windows
 
 
 @dataclass
@@ -96,12 +113,20 @@ class NodeConfig:
 
 @dataclass
 class DistConfig:
-    backend: str = field(default="auto", metadata=_range(choices=("auto", "mlx-mpi", "mlx-ring", "mpi4py")))
+    mode: str = field(default="ddp", metadata=_range(choices=("ddp", "diloco")))
+    backend: str = field(default="auto", metadata=_range(choices=("auto", "mlx-mpi", "mlx-ring", "mlx-jaccl", "mpi4py")))
     bucket_mb: float = field(default=25.0, metadata=_range(0.01))
     wire_dtype: str = field(default="float32", metadata=_range(choices=("float32", "bfloat16", "float16")))
     sync_weights_every: int = field(default=50, metadata=_range(0))
     stall_timeout_s: float = field(default=120.0, metadata=_range(1.0))
     ring_connections: int = field(default=1, metadata=_range(1, 16))
+    # DiLoCo (dist.mode=diloco): H local steps, then an outer Nesterov step on averaged deltas.
+    inner_steps: int = field(default=50, metadata=_range(1))
+    outer_lr: float = field(default=0.7, metadata=_range(0.0, 10.0))
+    outer_momentum: float = field(default=0.9, metadata=_range(0.0, 1.0))
+    outer_wire: str = field(default="bfloat16", metadata=_range(choices=("float32", "bfloat16", "int8", "int4")))
+    fragments: int = field(default=1, metadata=_range(1))
+    sync_every_s: float | None = field(default=None, metadata=_range(0.1))
 
 
 @dataclass
@@ -131,6 +156,7 @@ class MetricsConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch_on_simcluster(name: str, train_args: list[str], args: argparse.Namespace) -> int:
     """The same launch onto namespace hosts: their ssh stand-in instead of ssh, their subnet."""
-    from .simcluster import DEFAULT_STATE_ROOT, SimCluster
+    from .rig.simcluster import DEFAULT_STATE_ROOT, SimCluster
 
     state = DEFAULT_STATE_ROOT / name
     if not (state / "state.json").exists():

@@ -26,7 +26,7 @@ def _events(run_dir: Path) -> list[dict]:
 @pytest.mark.cluster
 @pytest.mark.netns
 def test_slow_host_gets_smaller_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxdist.simcluster import SimCluster, available
+    from mlxdist.rig.simcluster import SimCluster, available
 
     ok, why = available()
     if not ok:

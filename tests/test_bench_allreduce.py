@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, mpirun_path
 
-from mlxdist.bench_allreduce import busbw_gbs, default_sizes, parse_size
+from mlxdist.bench.allreduce import busbw_gbs, default_sizes, parse_size
 
 
 def test_sizes_and_busbw() -> None:
@@ -27,7 +27,7 @@ def test_sizes_and_busbw() -> None:
 def test_quick_run_prints_all_transports() -> None:
     mpirun_path()
     res = subprocess.run(
-        [sys.executable, "-m", "mlxdist.bench_allreduce", "--quick", "--sizes", "1M"],
+        [sys.executable, "-m", "mlxdist.bench.allreduce", "--quick", "--sizes", "1M"],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
     )
     assert res.returncode == 0, res.stdout + res.stderr

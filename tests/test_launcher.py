@@ -66,7 +66,7 @@ def test_supervisor_turns_a_lost_daemon_into_failure():
 @pytest.mark.cluster
 @pytest.mark.netns
 def test_mlxrun_rehearses_on_a_simulated_cluster(tmp_path):
-    from mlxdist.simcluster import SimCluster, available
+    from mlxdist.rig.simcluster import SimCluster, available
 
     ok, why = available()
     if not ok:

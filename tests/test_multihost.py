@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from helpers import ROOT, mpirun_path
 
-from mlxdist import simcluster
-from mlxdist.simcluster import SimCluster
+from mlxdist.rig import simcluster
+from mlxdist.rig.simcluster import SimCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.netns]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, mpirun_path
 
-from mlxdist import simcluster
-from mlxdist.simcluster import SimCluster, link_limit_seconds, parse_rate
+from mlxdist.rig import simcluster
+from mlxdist.rig.simcluster import SimCluster, link_limit_seconds, parse_rate
 
 
 def _need_cluster() -> None:
@@ -317,7 +317,7 @@ def test_cli_round_trip(tmp_path: Path) -> None:
         subprocess.run([*cli, "down", *sd], timeout=60)
     c = SimCluster(2, name="mlxstcli", subnet="10.77.9", state_dir=tmp_path)
     assert _leftovers(c) == []
-    res = subprocess.run([sys.executable, "-m", "mlxdist.simcluster", "--help"],
+    res = subprocess.run([sys.executable, "-m", "mlxdist.rig.simcluster", "--help"],
                          capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0 and "simcluster" in res.stdout
 
@@ -325,7 +325,7 @@ def test_cli_round_trip(tmp_path: Path) -> None:
 SIGNALLED = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from mlxdist.simcluster import SimCluster
+from mlxdist.rig.simcluster import SimCluster
 with SimCluster(2, name="mlxstsig", subnet="10.77.10", state_dir=sys.argv[1]) as c:
     p = c.popen(1, ["sleep", "60"])
     print(p.pid, flush=True)

@@ -8,7 +8,7 @@ is held to twice the slow host's rate. Everything runs side by side in one proce
 because only ratios measured together mean anything on a shared machine.
 
     python -m mlxdist.bench balance
-    python -m mlxdist.bench_balance --steps 60 --global-batch 48
+    python -m mlxdist.bench.balance --steps 60 --global-batch 48
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .world import find_mpirun
+from ..world import find_mpirun
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Compute must dominate the gradient all-reduce, or no split can reach the ideal.
 BASE = ["data.source=synthetic", "data.seq_len=128", "model.preset=tiny", "metrics.port=0",
         "train.progress=false", "train.eval_every=0", "checkpoint.every=0",
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = p.parse_args(argv)
 
-    from .simcluster import SimCluster, available
+    from ..rig.simcluster import SimCluster, available
 
     ok, why = available()
     if not ok:
@@ -152,6 +152,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from .bench import main as bench_main
-
-    sys.exit(bench_main(["balance", *sys.argv[1:]]))
+    sys.exit(main(sys.argv[1:]))

@@ -6,9 +6,9 @@ family, because MLX initialises one distributed backend per process and its MPI
 backend must own MPI_Init. Each launch writes its rank-0 results as JSON; the
 launcher merges them into one table, so all transports line up by message size.
 
-    python -m mlxdist.bench_allreduce                     # localhost, 2 ranks
-    python -m mlxdist.bench_allreduce --quick
-    python -m mlxdist.bench_allreduce --simcluster 2 --rate 1gbit --sizes 64M,256M
+    python -m mlxdist.bench.allreduce                     # localhost, 2 ranks
+    python -m mlxdist.bench.allreduce --quick
+    python -m mlxdist.bench.allreduce --simcluster 2 --rate 1gbit --sizes 64M,256M
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .world import find_mpirun, launched_by_mpirun
+from ..world import find_mpirun, launched_by_mpirun
 
 TRANSPORTS = ("raw-mpi4py", "mpi4py", "mlx-mpi", "mlx-ring")
 # Which launch measures which transport: the pure-mpi4py ones share a process.
@@ -110,9 +110,9 @@ def _worker(args: argparse.Namespace) -> int:
     import mlx.core as mx
     import numpy as np
 
-    from .collective import make_collective
-    from .sync import GradSync
-    from .world import init_world
+    from ..collective import make_collective
+    from ..sync import GradSync
+    from ..world import init_world
 
     family = args._worker
     world = init_world(family)
@@ -194,7 +194,7 @@ def _forwarded(argv: list[str]) -> list[str]:
 
 
 def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> dict:
-    from .world import MPI_LIBNAME
+    from ..world import MPI_LIBNAME
 
     wanted = [t.strip() for t in args.transports.split(",") if t.strip()]
     unknown = set(wanted) - set(TRANSPORTS)
@@ -202,7 +202,7 @@ def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> di
         raise SystemExit(f"unknown transport(s): {', '.join(sorted(unknown))}")
     env = dict(os.environ, MLX_MPI_LIBNAME=os.environ.get("MLX_MPI_LIBNAME", MPI_LIBNAME))
     os.environ["MLX_MPI_LIBNAME"] = env["MLX_MPI_LIBNAME"]  # forwarded by the cluster too
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
     if cluster is not None:
@@ -218,7 +218,7 @@ def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> di
         if not set(members) & set(wanted):
             continue
         out = tmp / f"{family}.json"
-        cmd = [*base, "-np", str(args.np), sys.executable, "-m", "mlxdist.bench_allreduce",
+        cmd = [*base, "-np", str(args.np), sys.executable, "-m", "mlxdist.bench.allreduce",
                *_forwarded(argv), "--_worker", family, "--_out", str(out)]
         t0 = time.monotonic()
         try:
@@ -238,7 +238,7 @@ def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> di
 
 
 def format_table(merged: dict, rate_bits: float | None) -> str:
-    from .simcluster import link_limit_seconds
+    from ..rig.simcluster import link_limit_seconds
 
     n, res = merged["n"], merged["results"]
     names = [t for t in TRANSPORTS if t in res]
@@ -280,7 +280,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mlxdist-bench-") as tmpdir:
         tmp = Path(tmpdir)
         if args.simcluster:
-            from .simcluster import SimCluster, available, parse_rate
+            from ..rig.simcluster import SimCluster, available, parse_rate
 
             ok, why = available()
             if not ok:
@@ -306,6 +306,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from .bench import main as bench_main
-
-    sys.exit(bench_main(["allreduce", *sys.argv[1:]]))
+    sys.exit(main(sys.argv[1:]))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .collective import Collective
+from ..collective import Collective
 
 _WIRE = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 

@@ -1,15 +1,10 @@
-"""`python -m mlxdist.bench {overhead,allreduce,balance}`: speed claims, measured as ratios.
-
-Every benchmark runs its baseline in the same process run, interleaved, because these
-machines are noisy: only ratios measured side by side mean anything.
-"""
+"""`python -m mlxdist.bench overhead`: the trainer against the shortest correct MLX loop."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,10 +16,10 @@ def _bare_mlx_steps(cfg, steps: int) -> list[float]:
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    from .data.datasets import build_datasets
-    from .data.sampler import GlobalSampler
-    from .models.mlx_model import Transformer
-    from .models.presets import resolve
+    from ..data.datasets import build_datasets
+    from ..data.sampler import GlobalSampler
+    from ..models.mlx_model import Transformer
+    from ..models.presets import resolve
 
     model = Transformer(resolve(cfg.model))
     opt = optim.AdamW(learning_rate=cfg.train.lr, weight_decay=cfg.train.weight_decay)
@@ -49,7 +44,7 @@ def _bare_mlx_steps(cfg, steps: int) -> list[float]:
 
 
 def _trainer_steps(cfg, steps: int) -> list[float]:
-    from .train import train
+    from ..train import train
 
     with tempfile.TemporaryDirectory() as d:
         cfg.train.out_dir = d
@@ -66,7 +61,7 @@ def overhead(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.preset=small")
     args = p.parse_args(argv)
-    from .config import load_config
+    from ..config import load_config
 
     base = ["data.source=synthetic", "data.seq_len=128", "train.batch_size=16", "metrics.port=0",
             "train.progress=false", "train.eval_every=0", "checkpoint.every=0", "dist.sync_weights_every=0"]
@@ -83,38 +78,3 @@ def overhead(argv: list[str]) -> int:
     print(f"overhead: mlxdist / bare MLX throughput = {statistics.median(ratios):.3f} "
           f"(median of {args.rounds} rounds; target >= 0.98)")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m mlxdist.bench {overhead,allreduce,balance} [options]")
-        return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    try:
-        return _run(name, rest)
-    except FileNotFoundError as e:  # mpirun or a data file: one line, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(name: str, rest: list[str]) -> int:
-    if name == "overhead":
-        from .blas import ensure_openblas
-
-        ensure_openblas()
-        return overhead(rest)
-    if name == "allreduce":
-        from .bench_allreduce import main as allreduce_main
-
-        return allreduce_main(rest)
-    if name == "balance":
-        from .bench_balance import main as balance_main
-
-        return balance_main(rest)
-    print(f"error: unknown benchmark '{name}' (overhead, allreduce, balance)", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m mlxdist.bench NAME`. Outside the product's import path."""

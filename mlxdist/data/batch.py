@@ -1,0 +1,41 @@
+"""What one micro-batch is, as the loop hands it to an engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class TokenBatch:
+    """int32 windows `tokens` [b, T+1] (inputs are [:, :-1], targets [:, 1:]) and, for
+    instruction data, `mask` [b, T]: which targets the loss counts (prompt and padding
+    do not). Without a mask every target counts."""
+
+    tokens: np.ndarray
+    mask: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def trained_tokens(self) -> int:
+        t = self.tokens
+        return int(self.mask.sum()) if self.mask is not None else int(t.shape[0] * (t.shape[1] - 1))
+
+    @classmethod
+    def concat(cls, batches: list[TokenBatch]) -> TokenBatch:
+        masks = [b.mask for b in batches]
+        mask = None if all(m is None for m in masks) else np.concatenate(
+            [m if m is not None else np.ones((len(b), b.tokens.shape[1] - 1), bool)
+             for b, m in zip(batches, masks, strict=True)])
+        return cls(np.concatenate([b.tokens for b in batches]), mask)
+
+    def split(self, sizes: list[int]) -> list[TokenBatch]:
+        out, offset = [], 0
+        for n in sizes:
+            sl = slice(offset, offset + n)
+            out.append(TokenBatch(self.tokens[sl], None if self.mask is None else self.mask[sl]))
+            offset += n
+        return out
