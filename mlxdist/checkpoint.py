@@ -19,7 +19,7 @@ import os
 import shutil
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +82,62 @@ def _write_synced(path: Path, data: bytes) -> None:
 
 
 @dataclass
+class RunState:
+    """What the loop itself must carry across a resume, besides weights and controllers."""
+
+    step: int = 0
+    position: int = 0  # samples of the global stream consumed
+    lr_scale: float = 1.0  # lowered by rollbacks
+    plateau_scale: float = 1.0  # lowered by reduce-on-plateau
+    eval_loss: float | None = None
+    best_eval: float | None = None
+
+
+@dataclass
+class CheckpointMeta:
+    """Everything in `state.json`. Stored flat (the run state's fields beside the others) so
+    checkpoints written before this type existed still load; unknown keys are ignored and
+    missing ones take their defaults."""
+
+    run: RunState = field(default_factory=RunState)
+    optimizer_step: int = 0
+    controllers: dict = field(default_factory=dict)
+    world_size: int = 1
+    hosts: list = field(default_factory=list)
+    engine: str = "mlx"
+    config: dict = field(default_factory=dict)
+    global_batch: int | None = None
+    base_fingerprint: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}
+        return asdict(self.run) | flat
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CheckpointMeta:
+        run = RunState(**{f.name: d[f.name] for f in fields(RunState) if f.name in d})
+        return cls(run=run, **{f.name: d[f.name] for f in fields(cls) if f.name != "run" and f.name in d})
+
+
+@dataclass
 class Loaded:
     path: Path
     weights: dict[str, np.ndarray]
     optimizer: dict[str, np.ndarray]
     state: dict[str, Any]
+
+    @property
+    def meta(self) -> CheckpointMeta:
+        return CheckpointMeta.from_dict(self.state)
+
+
+# Checkpoints known whole, by path and the size/mtime of their files: retention consults
+# it so that a save does not re-hash every kept checkpoint.
+_WHOLE: set[tuple] = set()
+
+
+def _signature(path: Path) -> tuple:
+    return (str(path), *sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir()))
 
 
 def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
@@ -121,11 +172,12 @@ def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optim
         os.fsync(fd)
     finally:
         os.close(fd)
+    _WHOLE.add(_signature(final))  # hashed just above, while writing
     return final
 
 
 def verify(path: Path) -> str | None:
-    """None if the checkpoint is whole, else why not."""
+    """None if the checkpoint is whole, else why not (always re-hashes)."""
     mf = path / MANIFEST
     if not mf.is_file():
         return "no manifest (write did not finish)"
@@ -139,7 +191,18 @@ def verify(path: Path) -> str | None:
             return f"{name} is missing"
         if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
             return f"{name} fails its sha256 check"
+    _WHOLE.add(_signature(path))
     return None
+
+
+def _known_whole(path: Path) -> bool:
+    """`verify` that trusts an earlier verdict while no file of the checkpoint changed."""
+    try:
+        if _signature(path) in _WHOLE:
+            return True
+    except OSError:
+        return False
+    return verify(path) is None
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
@@ -149,9 +212,10 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: p.name)
 
 
-def load(path: str | Path) -> Loaded:
+def load(path: str | Path, verified: bool = False) -> Loaded:
+    """Read a checkpoint; it is verified here unless the caller just did."""
     p = Path(path)
-    problem = verify(p)
+    problem = None if verified else verify(p)
     if problem:
         raise CheckpointError(f"checkpoint {p}: {problem}")
     dctx = zstandard.ZstdDecompressor()
@@ -168,7 +232,7 @@ def load_latest(directory: str | Path, warn=print) -> Loaded | None:
     for path in reversed(list_checkpoints(directory)):
         problem = verify(path)
         if problem is None:
-            return load(path)
+            return load(path, verified=True)
         warn(f"checkpoint {path} is unusable ({problem}); falling back to the previous one")
     return None
 
@@ -178,7 +242,7 @@ def apply_retention(directory: str | Path, keep_last: int, keep_best: bool) -> l
 
     Corrupt checkpoints are never deleted automatically: they may be someone's only copy.
     """
-    valid = [p for p in list_checkpoints(directory) if verify(p) is None]
+    valid = [p for p in list_checkpoints(directory) if _known_whole(p)]
     keep = set(valid[-keep_last:])
     if keep_best:
         scored = []

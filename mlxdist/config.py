@@ -38,7 +38,7 @@ class ModelConfig:
     rope_base: float = field(default=10000.0, metadata=_range(1.0))
     norm_eps: float = field(default=1e-5, metadata=_range(0.0, 1.0))
     tie_embeddings: bool = True
-    checkpoint_every: int = field(default=0, metadata=_range(0))
+    grad_checkpoint_every: int = field(default=0, metadata=_range(0))  # recompute every k-th layer
     dtype: str = field(default="float32", metadata=_range(choices=("float32", "bfloat16", "float16")))
     # A pretrained model: a Hugging Face directory or a .gguf file (needs the `hf` extra).
     path: str | None = None
@@ -187,18 +187,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
+def _coerce(value: Any, tp: Any, where: str, warnings: list[str] | None = None) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if type(None) in args and (value is None or (isinstance(value, str) and value.lower() == "none")):
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
+        return _coerce(value, inner[0], where, warnings)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return _build(tp, value, where)
+        return _build(tp, value, where, warnings)
     if origin is dict:
         _, vtp = typing.get_args(tp)
         if not isinstance(value, dict):
@@ -237,18 +237,27 @@ def _check_range(f: dataclasses.Field, value: Any, where: str) -> None:
         raise ConfigError(f"{where}: {value!r} is above the maximum {hi}")
 
 
-def _build(cls: type, data: dict, where: str) -> Any:
+# Old key -> new key. The old name still works and logs one warning.
+DEPRECATED = {"model.checkpoint_every": "model.grad_checkpoint_every"}
+
+
+def _build(cls: type, data: dict, where: str, warnings: list[str] | None = None) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
+        old = f"{where}.{key}" if where else str(key)
+        if old in DEPRECATED:
+            key = DEPRECATED[old].rsplit(".", 1)[-1]
+            if warnings is not None:
+                warnings.append(f"'{old}' is deprecated (it reads like a save cadence); use '{DEPRECATED[old]}'")
         if key not in fields:
             prefix = f"{where}." if where else ""
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown key '{prefix}{key}'{hint}")
         path = f"{where}.{key}" if where else key
-        kwargs[key] = _coerce(value, hints[key], path)
+        kwargs[key] = _coerce(value, hints[key], path, warnings)
         _check_range(fields[key], kwargs[key], path)
     return cls(**kwargs)
 
@@ -298,12 +307,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = loaded
     for text in overrides or []:
         data = _merge(data, parse_override(text))
+    warnings: list[str] = []
     try:
-        cfg = _build(Config, data, "")
+        cfg = _build(Config, data, "", warnings)
         validate(cfg)
     except ConfigError as e:
         src = source if not overrides else f"{source} + overrides"
         raise ConfigError(f"{src}: {e}") from None
+    cfg.warnings = warnings  # logged once by the trainer
     return cfg
 
 

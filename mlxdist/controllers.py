@@ -17,7 +17,7 @@ from .control import (
     LRSchedule,
     ReduceOnPlateau,
 )
-from .plan import StepPlan
+from .control.plan import StepPlan
 
 
 @dataclass

@@ -22,7 +22,6 @@ def main(argv: list[str] | None = None) -> int:
     from .config import config_from_dict
     from .data.tokenizer import ByteTokenizer
     from .engine import make_engine
-    from .models.presets import resolve
 
     path = Path(args.checkpoint)
     try:
@@ -37,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     cfg = config_from_dict(loaded.state["config"])
-    engine = make_engine(args.engine, resolve(cfg.model), cfg, args.device)
+    engine = make_engine(args.engine, cfg, device=args.device)
     engine.set_weights(loaded.weights)
     tok = ByteTokenizer()
     ids = engine.sample(tok.encode(args.prompt).tolist(), args.tokens, args.temperature, args.seed)

@@ -1,8 +1,8 @@
-"""The one seam between the trainer and the machine's memory numbers.
+"""The seam between the trainer and the machine's memory numbers.
 
-MLX's allocator reports what it holds and its peak (Metal on a Mac, CPU memory on Linux);
-CUDA has its own counters; anything else falls back to the process's resident set against
-the machine/cgroup limit. Tests (and users rehearsing on Linux) can override the limit with
+Each engine reads its own allocator (MLX: Metal on a Mac, CPU memory on Linux; CUDA: its
+counters); anything else falls back to the process's resident set against the
+machine/cgroup limit. Tests (and users rehearsing on Linux) can override the limit with
 MLXDIST_MEMORY_LIMIT_BYTES, or MLXDIST_MEMORY_LIMIT_FILE (re-read at every step, so a test
 can lower it mid-run), to make the batch-size controller act.
 """
@@ -55,29 +55,12 @@ def _override_limit() -> int | None:
     return int(value) if value else None
 
 
-def memory_reading(engine: str = "mlx") -> MemoryReading:
-    """Bytes in use now, peak since the last `reset_peak`, and the limit to stay under."""
-    if engine == "mlx":
-        import mlx.core as mx
-
-        # On a Mac the limit is Metal's recommended working set; on Linux, about the RAM.
-        r = MemoryReading(mx.get_active_memory(), mx.get_peak_memory(), mx.get_memory_limit())
-    elif "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-        import torch
-
-        r = MemoryReading(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
-                          torch.cuda.get_device_properties(0).total_memory)
-    else:
-        r = _process_reading()
+def with_override(reading: MemoryReading) -> MemoryReading:
+    """The engine's own reading, with the limit replaced when the environment sets one."""
     limit = _override_limit()
-    return MemoryReading(r.active, r.peak, limit) if limit else r
+    return MemoryReading(reading.active, reading.peak, limit) if limit else reading
 
 
-def reset_peak(engine: str = "mlx") -> None:
-    """Start a new peak window, so each step's reading reflects that step's batch size."""
-    if engine == "mlx":
-        import mlx.core as mx
-
-        mx.reset_peak_memory()
-    elif "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-        sys.modules["torch"].cuda.reset_peak_memory_stats()
+def process_reading() -> MemoryReading:
+    """For devices without allocator counters (CPU torch, MPS): the process's resident set."""
+    return with_override(_process_reading())

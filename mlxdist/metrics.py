@@ -7,9 +7,16 @@ can compare a Mac Studio with a MacBook.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from . import __version__
+
+# Event kind -> counter attribute, and -> (controller, default action) of a decision.
+_COUNTERS = {"skipped": "nonfinite", "rollback": "rollbacks", "drift_repair": "drift_repairs"}
+_DECISIONS = {"oom": ("batch_size", "oom_shrink"), "memory": ("batch_size", "resize"),
+              "balance": ("balancer", "resplit"), "plateau": ("plateau", "reduce_lr")}
 
 _TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -57,25 +64,39 @@ class Metrics:
         self.build = Info("mlxdist_build", "Version and run settings", lab, registry=r)
         self.build.labels(**self.labels).info({"version": __version__})
 
-    def observe_step(self, stats, *, lr: float, step_s: float, samples: int, tokens: int, micro: int,
-                     accum: int, data_wait: float, memory) -> None:
+    def record(self, kind: str, fields: dict[str, Any]) -> None:
+        """The metric side of an event (see reporting.Reporter): the one place that maps
+        event kinds to series."""
+        if kind == "step":
+            self._observe_step(fields)
+        elif kind == "eval":
+            self.eval_loss.set(fields["eval_loss"])
+        elif kind == "checkpoint":
+            self.checkpoint_seconds.observe(fields["seconds"])
+        elif kind in _COUNTERS:
+            getattr(self, _COUNTERS[kind]).inc()
+        if kind in _DECISIONS:
+            controller, action = _DECISIONS[kind]
+            self.decision(controller, fields.get("action", action))
+
+    def _observe_step(self, f: dict[str, Any]) -> None:
         self.steps.inc()
-        self.tokens.inc(tokens)
-        self.samples.inc(samples)
-        self.loss.set(stats.loss)
-        self.lr.set(lr)
-        self.grad_norm.set(stats.grad_norm)
-        self.tokens_per_second.set(tokens / max(step_s, 1e-9))
-        self.batch_size.set(micro)
-        self.accumulation.set(accum)
-        self.share.set(samples)
-        self.step_seconds.observe(step_s)
-        self.sync_seconds.observe(stats.sync_seconds)
-        self.sync_bytes.inc(stats.sync_bytes)
-        self.data_wait.inc(data_wait)
-        self.memory_active.set(memory.active)
-        self.memory_peak.set(memory.peak)
-        self.memory_limit.set(memory.limit)
+        self.tokens.inc(f["tokens"])
+        self.samples.inc(f["samples"])
+        self.loss.set(f["loss"])
+        self.lr.set(f["lr"])
+        self.grad_norm.set(f["grad_norm"])
+        self.tokens_per_second.set(f["tokens_per_s"])
+        self.batch_size.set(f["micro_batch"])
+        self.accumulation.set(f["accum"])
+        self.share.set(f["samples"])
+        self.step_seconds.observe(f["step_s"])
+        self.sync_seconds.observe(f["sync_s"])
+        self.sync_bytes.inc(f["sync_bytes"])
+        self.data_wait.inc(f["data_wait_s"])
+        self.memory_active.set(f["memory_active_bytes"])
+        self.memory_peak.set(f["memory_peak_bytes"])
+        self.memory_limit.set(f["memory_limit_bytes"])
 
     def decision(self, controller: str, action: str) -> None:
         self.decisions.labels(**self.labels, controller=controller, action=action).inc()

@@ -4,10 +4,10 @@ import time
 import numpy as np
 import pytest
 
+from mlxdist.control.plan import StepPlan
 from mlxdist.data import ByteTokenizer, GlobalSampler, Prefetcher, rank_slice
 from mlxdist.data.datasets import TokenWindows
 from mlxdist.data.shards import TokenStream, read_shards, write_shards
-from mlxdist.plan import StepPlan
 
 
 def test_sampler_is_deterministic_and_a_permutation():

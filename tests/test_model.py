@@ -17,11 +17,12 @@ def test_preset_sizes_are_what_their_names_say():
 
 def _engine(**model):
     from mlxdist.engine.mlx_engine import MLXEngine
+    from mlxdist.models.build import build_mlx
 
     cfg = Config()
     for k, v in model.items():
         setattr(cfg.model, k, v)
-    return MLXEngine(resolve(cfg.model), cfg)
+    return MLXEngine(build_mlx(cfg), cfg)
 
 
 def _grads(engine, tokens):
@@ -31,8 +32,8 @@ def _grads(engine, tokens):
 
 def test_activation_checkpointing_gives_the_same_gradients():
     tokens = np.random.default_rng(0).integers(0, 250, (2, 17)).astype(np.int32)
-    plain = _grads(_engine(checkpoint_every=0), tokens)
-    every_other = _grads(_engine(checkpoint_every=2), tokens)
+    plain = _grads(_engine(grad_checkpoint_every=0), tokens)
+    every_other = _grads(_engine(grad_checkpoint_every=2), tokens)
     for k in plain:
         np.testing.assert_allclose(plain[k], every_other[k], rtol=1e-4, atol=1e-6)
 

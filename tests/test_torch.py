@@ -51,7 +51,7 @@ def _no_compile(monkeypatch):
 
 @pytest.mark.parametrize(
     "args",
-    [TINY, dataclasses.replace(TINY, checkpoint_every=2, tie_embeddings=False)],
+    [TINY, dataclasses.replace(TINY, grad_checkpoint_every=2, tie_embeddings=False)],
     ids=["tiny-gqa-tied", "tiny-ckpt2-untied"],
 )
 def test_logits_and_grads_match_mlx(args: ModelArgs) -> None:
@@ -116,7 +116,7 @@ def test_rope_matches_mlx() -> None:
 
 
 def test_engine_trains_and_samples() -> None:
-    eng = TorchEngine(TINY, _cfg(), "cpu")
+    eng = TorchEngine(_cfg(), "cpu", TINY)
     toks = _tokens(4, 33, TINY.vocab_size, 0)
     losses = []
     for _ in range(30):
@@ -136,7 +136,7 @@ def test_engine_trains_and_samples() -> None:
 
 
 def test_nonfinite_step_is_skipped() -> None:
-    eng = TorchEngine(SMALLER, _cfg(), "cpu")
+    eng = TorchEngine(_cfg(), "cpu", SMALLER)
     before = eng.get_weights()
     eng.micro_step(_tokens(2, 9, SMALLER.vocab_size, 0))
     eng._params[0].grad[0, 0] = float("nan")
@@ -181,7 +181,7 @@ def _mean_loss_grads(args: ModelArgs, w: dict, toks: np.ndarray) -> dict:
 
 def test_adamw_matches_reference_formula() -> None:
     hp = dict(beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.3, grad_clip=0.5)
-    eng = TorchEngine(SMALLER, _cfg(**hp), "cpu")
+    eng = TorchEngine(_cfg(**hp), "cpu", SMALLER)
     w = {k: v.astype(np.float64) for k, v in eng.get_weights().items()}
     m = {k: np.zeros_like(x) for k, x in w.items()}
     v = {k: np.zeros_like(x) for k, x in w.items()}
@@ -219,7 +219,7 @@ def test_adamw_matches_reference_formula() -> None:
 
 def test_optimizer_state_round_trip() -> None:
     cfg = _cfg()
-    a = TorchEngine(SMALLER, cfg, "cpu")
+    a = TorchEngine(cfg, "cpu", SMALLER)
     for i in range(2):
         a.micro_step(_tokens(2, 9, SMALLER.vocab_size, i))
         a.step(1e-2)
@@ -228,9 +228,7 @@ def test_optimizer_state_round_trip() -> None:
 
     saved = {k: x.copy() for k, x in state.items()}
 
-    b = TorchEngine(
-        SMALLER, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=9)), "cpu"
-    )
+    b = TorchEngine(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=9)), "cpu", SMALLER)
     b.set_weights(a.get_weights())
     b.set_optimizer_state(state, step)
     last = _tokens(2, 9, SMALLER.vocab_size, 99)
@@ -282,7 +280,7 @@ def test_single_node_only() -> None:
 def test_mpirun_launch_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="single-node"):
-        TorchEngine(SMALLER, _cfg(), "cpu")
+        TorchEngine(_cfg(), "cpu", SMALLER)
 
 
 def test_disable_compile(monkeypatch) -> None:
@@ -296,6 +294,6 @@ def test_disable_compile(monkeypatch) -> None:
     assert compile_enabled("cuda")[0]
     monkeypatch.setenv("DISABLE_COMPILE", "1")
     assert compile_enabled("cuda") == (False, "DISABLE_COMPILE set")
-    eng = TorchEngine(SMALLER, _cfg(), "cpu")
+    eng = TorchEngine(_cfg(), "cpu", SMALLER)
     assert "compile off (DISABLE_COMPILE set)" in eng.describe()
     assert eng.name == "torch" and eng.device == "cpu"

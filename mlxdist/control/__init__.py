@@ -8,6 +8,8 @@ from .balancer import LoadBalancer
 from .batch_size import BatchSizeController, BatchSizeError, Decision
 from .early_stop import EarlyStopping
 from .health import HealthMonitor, HealthVerdict, ReduceOnPlateau
+from .plan import Decision as PlanDecision
+from .plan import StepPlan, replan
 from .schedule import LRSchedule, lr_at
 from .split import (
     AccumulationController,
@@ -28,9 +30,12 @@ __all__ = [
     "HealthVerdict",
     "LRSchedule",
     "LoadBalancer",
+    "PlanDecision",
+    "StepPlan",
     "ReduceOnPlateau",
     "accumulation_steps",
     "lr_at",
     "micro_batches",
     "proportional_split",
+    "replan",
 ]

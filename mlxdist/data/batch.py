@@ -1,10 +1,18 @@
-"""What one micro-batch is, as the loop hands it to an engine."""
+"""What one micro-batch is, and which micro-batches a rank gets in a step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ..control.split import micro_batches
+from .sampler import GlobalSampler, rank_slice
+
+if TYPE_CHECKING:
+    from ..control.plan import StepPlan
+    from .datasets import Dataset
 
 
 @dataclass
@@ -37,5 +45,22 @@ class TokenBatch:
         for n in sizes:
             sl = slice(offset, offset + n)
             out.append(TokenBatch(self.tokens[sl], None if self.mask is None else self.mask[sl]))
+            offset += n
+        return out
+
+
+class BatchMaker:
+    """Turns (stream position, plan, rank) into this rank's micro-batches for one step."""
+
+    def __init__(self, dataset: Dataset, sampler: GlobalSampler, rank: int):
+        self.dataset, self.sampler, self.rank = dataset, sampler, rank
+
+    def __call__(self, position: int, plan: StepPlan) -> list[TokenBatch]:
+        begin, end = rank_slice(plan.shares, self.rank)
+        mine = self.sampler.indices(position + begin, end - begin)
+        out, offset = [], 0
+        for n in micro_batches(len(mine), plan.micro[self.rank]):
+            got = self.dataset.batch(mine[offset : offset + n])
+            out.append(got if isinstance(got, TokenBatch) else TokenBatch(got))
             offset += n
         return out

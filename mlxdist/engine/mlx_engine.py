@@ -1,12 +1,15 @@
 """The MLX engine: one rank's forward/backward, gradient sync, and AdamW update.
 
 Master weights and AdamW moments stay fp32; with `model.dtype` bf16/fp16 the forward pass
-runs on a cast copy, and the cast's gradient brings fp32 gradients back for free.
+runs on a cast copy, and the cast's gradient brings fp32 gradients back for free. Only the
+trainable parameters (all of them, or the adapters of a fine-tune) are held here, synced
+and saved; a frozen base stays inside the module.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,12 +18,13 @@ from mlx.utils import tree_unflatten
 
 from ..collective import Collective
 from ..config import Config
-from ..models.init import param_shapes
-from ..models.mlx_model import Transformer, init_params
-from ..models.presets import ModelArgs
+from ..data.batch import TokenBatch
+from ..memory import MemoryReading, with_override
+from ..models.build import BuiltModel
 from ..sync import GradSync
 from ..world import World
 from .base import StepStats
+from .common import as_batch, check_weights, checksum, decays, sample_tokens
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -28,21 +32,22 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 class MLXEngine:
     name = "mlx"
 
-    def __init__(self, args: ModelArgs, cfg: Config, world: World | None = None,
+    def __init__(self, built: BuiltModel, cfg: Config, world: World | None = None,
                  collective: Collective | None = None):
-        self.args, self.cfg = args, cfg
+        self.cfg = cfg
         self.world = world or World()
         self.collective = collective or Collective()
         self.sync = GradSync(self.collective, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
         self.device = str(mx.default_device())
         self.compute_dtype = DTYPES[cfg.model.dtype]
-        self.model = Transformer(args)
-        self.names = sorted(param_shapes(args))
-        self.params: dict[str, mx.array] = init_params(args, cfg.train.seed)
+        self.model = built.module
+        self.model_summary, self.base_fingerprint = built.summary, built.fingerprint
+        self.names = sorted(built.params)
+        self.params: dict[str, mx.array] = {k: v.astype(mx.float32) for k, v in built.params.items()}
         self.m = {k: mx.zeros_like(v) for k, v in self.params.items()}
         self.v = {k: mx.zeros_like(v) for k, v in self.params.items()}
         self.opt_step = 0
-        self._decay = [len(self.params[n].shape) >= 2 for n in self.names]
+        self._decay = [decays(self.params[n].shape) for n in self.names]
         self._value_and_grad = mx.value_and_grad(self._loss)
         self._adamw = mx.compile(self._adamw_update)
         self._reset_accumulators()
@@ -54,8 +59,10 @@ class MLXEngine:
         self.model.update(tree_unflatten(list(params.items())))
         return self.model(inputs).astype(mx.float32)
 
-    def _loss(self, params: dict[str, mx.array], inputs: mx.array, targets: mx.array) -> mx.array:
-        return nn.losses.cross_entropy(self._forward(params, inputs), targets, reduction="sum")
+    def _loss(self, params: dict[str, mx.array], inputs: mx.array, targets: mx.array,
+              mask: mx.array | None) -> mx.array:
+        losses = nn.losses.cross_entropy(self._forward(params, inputs), targets, reduction="none")
+        return (losses * mask).sum() if mask is not None else losses.sum()
 
     def _adamw_update(self, params, m, v, grads, scalars):
         lr, bc1, bc2, coef = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -73,21 +80,27 @@ class MLXEngine:
             out_v.append(vi)
         return out_p, out_m, out_v
 
-    # -- the Engine contract ----------------------------------------------------------
+    @staticmethod
+    def _arrays(batch: TokenBatch) -> tuple[mx.array, mx.array, mx.array | None]:
+        tokens = mx.array(batch.tokens)
+        mask = None if batch.mask is None else mx.array(batch.mask.astype(np.float32))
+        return tokens[:, :-1], tokens[:, 1:], mask
+
+    # -- the step ---------------------------------------------------------------------
     def _reset_accumulators(self) -> None:
         self._grads: dict[str, mx.array] | None = None
         self._loss_sum = mx.array(0.0)
         self._tokens = 0
 
-    def micro_step(self, tokens: np.ndarray) -> None:
-        batch = mx.array(tokens)
-        loss, grads = self._value_and_grad(self.params, batch[:, :-1], batch[:, 1:])
+    def micro_step(self, batch: TokenBatch | np.ndarray) -> None:
+        batch = as_batch(batch)
+        loss, grads = self._value_and_grad(self.params, *self._arrays(batch))
         if self._grads is None:
             self._grads = grads
         else:
             self._grads = {k: self._grads[k] + grads[k] for k in grads}
         self._loss_sum = self._loss_sum + loss
-        self._tokens += int(batch.shape[0] * (batch.shape[1] - 1))
+        self._tokens += batch.trained_tokens
         mx.eval(self._grads, self._loss_sum)
 
     def step(self, lr: float) -> StepStats:
@@ -95,7 +108,7 @@ class MLXEngine:
             raise RuntimeError("step() without micro_step(): no gradients to apply")
         grads, sync = self.sync.all_sum([self._grads[n] for n in self.names])
         loss_sum, tokens = self.world.allreduce_sum([self._loss_sum.item(), self._tokens])
-        grads = [g * (1.0 / tokens) for g in grads]
+        grads = [g * (1.0 / max(tokens, 1)) for g in grads]
         norm = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
         self._reset_accumulators()
         stats = StepStats(loss_sum, int(tokens), norm, skipped=False,
@@ -117,32 +130,29 @@ class MLXEngine:
         return stats
 
     def discard_gradients(self) -> None:
-        """Drop a half-accumulated step (after an out-of-memory), keeping weights and moments."""
         self._reset_accumulators()
 
-    def poison_loss(self) -> None:
-        """Test seam: make this step's loss non-finite, as a numerical blow-up would."""
-        self._loss_sum = self._loss_sum + float("nan")
+    def eval_loss(self, batch: TokenBatch | np.ndarray) -> tuple[float, int]:
+        batch = as_batch(batch)
+        loss = self._loss(self.params, *self._arrays(batch))
+        return loss.item(), batch.trained_tokens
 
-    def perturb_weights(self, eps: float = 1e-3) -> None:
-        """Test seam: make this rank's weights differ, as a silent drift would."""
-        first = self.names[0]
-        self.params[first] = self.params[first] + eps
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        return np.array(self._forward(self.params, mx.array(tokens)))
 
-    def clear_cache(self) -> None:
-        mx.clear_cache()
+    def sample(self, prompt: list[int], max_new: int, temperature: float = 0.8, seed: int = 0,
+               context: int | None = None, stop: set[int] | None = None,
+               on_token: Callable[[int], None] | None = None) -> list[int]:
+        return sample_tokens(lambda w: self.logits(np.array([w], np.int32))[0, -1], prompt, max_new,
+                             temperature, seed, context or self.cfg.data.seq_len, stop, on_token)
 
+    # -- state ------------------------------------------------------------------------
     def get_weights(self) -> dict[str, np.ndarray]:
         return {k: np.array(v) for k, v in self.params.items()}
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        missing = set(self.names) - set(weights)
-        if missing:
-            raise ValueError(f"weights lack {len(missing)} parameters, e.g. {sorted(missing)[0]} (different model.preset?)")
-        for n in self.names:
-            if tuple(weights[n].shape) != tuple(self.params[n].shape):
-                raise ValueError(f"{n}: checkpoint shape {tuple(weights[n].shape)} != model {tuple(self.params[n].shape)}")
-        self.params = {n: mx.array(weights[n].astype(np.float32)) for n in self.names}
+        check_weights({n: tuple(self.params[n].shape) for n in self.names}, weights)
+        self.params = {n: mx.array(np.asarray(weights[n], np.float32)) for n in self.names}
         mx.eval(self.params)
 
     def get_optimizer_state(self) -> tuple[dict[str, np.ndarray], int]:
@@ -156,42 +166,42 @@ class MLXEngine:
         self.opt_step = int(step)
 
     def broadcast_state(self, root: int = 0) -> None:
-        """Make every rank's weights and moments bit-identical to `root`'s."""
         if self.collective.size == 1:
             return
-        arrays = [self.params[n] for n in self.names] + [self.m[n] for n in self.names] + \
-                 [self.v[n] for n in self.names]
-        out = self.collective.broadcast(arrays, root)
         k = len(self.names)
+        arrays = [self.params[n] for n in self.names] + [self.m[n] for n in self.names] + \
+                 [self.v[n] for n in self.names] + [mx.array([float(self.opt_step)])]
+        out = self.collective.broadcast(arrays, root)
         self.params = dict(zip(self.names, out[:k], strict=True))
         self.m = dict(zip(self.names, out[k : 2 * k], strict=True))
-        self.v = dict(zip(self.names, out[2 * k :], strict=True))
+        self.v = dict(zip(self.names, out[2 * k : 3 * k], strict=True))
         mx.eval(self.params, self.m, self.v)
+        self.opt_step = int(out[-1].item())
 
-    def weight_arrays(self) -> list[np.ndarray]:
-        return [np.array(self.params[n]) for n in self.names]
+    def weight_checksum(self) -> int:
+        return checksum(np.array(self.params[n]) for n in self.names)
 
-    def eval_loss(self, tokens: np.ndarray) -> tuple[float, int]:
-        batch = mx.array(tokens)
-        loss = self._loss(self.params, batch[:, :-1], batch[:, 1:])
-        return loss.item(), int(batch.shape[0] * (batch.shape[1] - 1))
+    # -- machine ----------------------------------------------------------------------
+    def memory(self) -> MemoryReading:
+        # On a Mac the limit is Metal's recommended working set; on Linux, about the RAM.
+        return with_override(MemoryReading(mx.get_active_memory(), mx.get_peak_memory(),
+                                           mx.get_memory_limit()))
 
-    def logits(self, tokens: np.ndarray) -> np.ndarray:
-        return np.array(self._forward(self.params, mx.array(tokens)))
+    def reset_peak(self) -> None:
+        mx.reset_peak_memory()
 
-    def sample(self, prompt: list[int], max_new: int, temperature: float = 0.8, seed: int = 0,
-               context: int = 256) -> list[int]:
-        key = mx.random.key(seed)
-        out = list(prompt)
-        for _ in range(max_new):
-            logits = self._forward(self.params, mx.array([out[-context:]]))[0, -1]
-            if temperature <= 0:
-                nxt = int(mx.argmax(logits).item())
-            else:
-                key, sub = mx.random.split(key)
-                nxt = int(mx.random.categorical(logits / temperature, key=sub).item())
-            out.append(nxt)
-        return out[len(prompt):]
+    def clear_cache(self) -> None:
+        mx.clear_cache()
 
     def describe(self) -> str:
-        return f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32"
+        from ..blas import status
+
+        return f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}"
+
+    # -- fault-injection seams ---------------------------------------------------------
+    def poison_loss(self) -> None:
+        self._loss_sum = self._loss_sum + float("nan")
+
+    def perturb_weights(self, eps: float = 1e-3) -> None:
+        first = self.names[0]
+        self.params[first] = self.params[first] + eps

@@ -21,16 +21,19 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..config import Config
-from ..models.init import initial_weights, param_shapes
+from ..data.batch import TokenBatch
+from ..memory import MemoryReading, process_reading, with_override
+from ..models.build import build_torch
 from ..models.presets import ModelArgs
-from ..models.torch_model import Transformer
 from .base import StepStats
+from .common import as_batch, check_weights, checksum, decays, sample_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,8 +148,9 @@ class TorchEngine:
 
     name = "torch"
 
-    def __init__(self, args: ModelArgs, cfg: Config, device: str = "auto"):
-        self.args, self.cfg = args, cfg
+    def __init__(self, cfg: Config, device: str = "auto", args: ModelArgs | None = None):
+        """`args` overrides the preset's shape (tests build odd sizes)."""
+        self.cfg = cfg
         self.device, self.device_reason = select_device(device)
         check_single_node(_launcher_world_size(), self.device)
         self.device_type = self.device.split(":")[0]
@@ -161,19 +165,20 @@ class TorchEngine:
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
             torch.backends.cudnn.allow_tf32 = self.tf32
 
-        self.model = Transformer(args).to(self.dev)
-        self.set_weights(initial_weights(args, cfg.train.seed, np))
+        built = build_torch(cfg, self.dev, args)
+        self.model = built.module
+        self.model_summary, self.base_fingerprint = built.summary, built.fingerprint
         self.model.train()
-        self._names = [n for n, _ in self.model.named_parameters()]
-        self._params = [p for _, p in self.model.named_parameters()]
+        self._names = sorted(built.params)
+        self._params = [built.params[n] for n in self._names]
 
         self.compiled, self.compile_reason = compile_enabled(self.device)
         # Compile only the forward: the loss, optimizer and sampling stay eager, so
         # variable-length sampling never triggers recompiles.
         self._forward = torch.compile(self.model) if self.compiled else self.model
 
-        decay = [p for p in self._params if p.ndim >= 2]
-        no_decay = [p for p in self._params if p.ndim < 2]
+        decay = [p for p in self._params if decays(tuple(p.shape))]
+        no_decay = [p for p in self._params if not decays(tuple(p.shape))]
         t = cfg.train
         self.fused = self.device_type == "cuda"
         self.opt = torch.optim.AdamW(
@@ -222,15 +227,17 @@ class TorchEngine:
         t = torch.from_numpy(np.ascontiguousarray(tokens)).long()
         return t.to(self.dev, non_blocking=True)
 
-    def _summed_loss(self, forward, tokens: np.ndarray) -> tuple[torch.Tensor, int]:
-        t = self._to_device(tokens)
+    def _summed_loss(self, forward, batch: TokenBatch) -> tuple[torch.Tensor, int]:
+        t = self._to_device(batch.tokens)
         inputs, targets = t[:, :-1], t[:, 1:]
         with self._autocast():
             logits = forward(inputs)
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+        losses = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
         )
-        return loss, targets.numel()
+        if batch.mask is not None:
+            losses = losses * torch.from_numpy(batch.mask.reshape(-1).astype(np.float32)).to(self.dev)
+        return losses.sum(), batch.trained_tokens
 
     # ---------------------------------------------------------------- protocol
 
@@ -251,22 +258,33 @@ class TorchEngine:
     def get_weights(self) -> dict[str, np.ndarray]:
         # Copies: on the CPU `.numpy()` would alias the live parameters, and a checkpoint
         # written in the background would then see later updates.
-        return {n: _to_numpy(p) for n, p in self.model.named_parameters()}
+        return {n: _to_numpy(p) for n, p in zip(self._names, self._params, strict=True)}
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        shapes = param_shapes(self.args)
-        missing = sorted(set(shapes) - set(weights))
-        extra = sorted(set(weights) - set(shapes))
-        if missing or extra:
-            raise ValueError(f"set_weights: missing {missing[:5]}, unexpected {extra[:5]}")
-        params = dict(self.model.named_parameters())
+        check_weights({n: tuple(p.shape) for n, p in zip(self._names, self._params, strict=True)}, weights)
         with torch.no_grad():
-            for name, value in weights.items():
-                if tuple(value.shape) != shapes[name]:
-                    raise ValueError(
-                        f"set_weights: {name} has shape {tuple(value.shape)}, expected {shapes[name]}"
-                    )
-                params[name].copy_(torch.from_numpy(np.asarray(value, dtype=np.float32)))
+            for name, p in zip(self._names, self._params, strict=True):
+                p.copy_(torch.from_numpy(np.asarray(weights[name], dtype=np.float32)))
+
+    def broadcast_state(self, root: int = 0) -> None:
+        """Single-node engine: one rank already holds the whole state."""
+
+    def weight_checksum(self) -> int:
+        return checksum(_to_numpy(p) for p in self._params)
+
+    def memory(self) -> MemoryReading:
+        if self.device_type == "cuda":
+            return with_override(MemoryReading(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
+                                               torch.cuda.get_device_properties(self.dev).total_memory))
+        return process_reading()
+
+    def reset_peak(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def perturb_weights(self, eps: float = 1e-3) -> None:
+        with torch.no_grad():
+            self._params[0].add_(eps)
 
     def _from_numpy(self, value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         """A fresh device tensor: `from_numpy` shares memory, and optimizer moments that
@@ -304,8 +322,8 @@ class TorchEngine:
                 "exp_avg_sq": self._from_numpy(state[f"v.{name}"], p),
             }
 
-    def micro_step(self, tokens: np.ndarray) -> None:
-        loss, n = self._summed_loss(self._forward, tokens)
+    def micro_step(self, batch: TokenBatch | np.ndarray) -> None:
+        loss, n = self._summed_loss(self._forward, as_batch(batch))
         if self.scaler is not None:
             if not self._scaler_ready:
                 self.scaler = torch.amp.GradScaler(
@@ -367,8 +385,8 @@ class TorchEngine:
             torch.mps.empty_cache()
 
     @torch.no_grad()
-    def eval_loss(self, tokens: np.ndarray) -> tuple[float, int]:
-        loss, n = self._summed_loss(self._forward, tokens)
+    def eval_loss(self, batch: TokenBatch | np.ndarray) -> tuple[float, int]:
+        loss, n = self._summed_loss(self._forward, as_batch(batch))
         return float(loss), n
 
     @torch.no_grad()
@@ -377,35 +395,9 @@ class TorchEngine:
             out = self.model(self._to_device(tokens))
         return out.float().cpu().numpy()
 
-    @torch.no_grad()
-    def sample(
-        self,
-        prompt: list[int],
-        max_new: int,
-        temperature: float = 0.8,
-        seed: int = 0,
-        context: int | None = None,
-    ) -> list[int]:
-        """Generated tokens only (not the prompt); temperature <= 0 means greedy.
-
-        No KV cache: each token re-runs the cropped context, which is fine for the short
-        demos this is used for. The context defaults to data.seq_len, the longest window the
-        model was trained on, since RoPE positions past it were never seen. Drawing happens on
-        the CPU with a seeded generator so a seed gives the same text on every device.
-        """
-        ctx = context or self.cfg.data.seq_len
-        gen = torch.Generator().manual_seed(seed)
-        seq = list(prompt) or [0]
-        out: list[int] = []
-        for _ in range(max_new):
-            window = torch.tensor([seq[-ctx:]], dtype=torch.long, device=self.dev)
-            with self._autocast():
-                last = self.model(window)[0, -1].float().cpu()
-            if temperature <= 0:
-                nxt = int(last.argmax())
-            else:
-                probs = torch.softmax(last / temperature, dim=-1)
-                nxt = int(torch.multinomial(probs, 1, generator=gen))
-            seq.append(nxt)
-            out.append(nxt)
-        return out
+    def sample(self, prompt: list[int], max_new: int, temperature: float = 0.8, seed: int = 0,
+               context: int | None = None, stop: set[int] | None = None,
+               on_token: Callable[[int], None] | None = None) -> list[int]:
+        """No KV cache: each token re-runs the cropped context (fine for short demos)."""
+        return sample_tokens(lambda w: self.logits(np.array([w], np.int32))[0, -1], prompt, max_new,
+                             temperature, seed, context or self.cfg.data.seq_len, stop, on_token)

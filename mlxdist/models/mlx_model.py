@@ -81,7 +81,7 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens: mx.array) -> mx.array:
         h = self.embed(tokens)
-        k = self.args.checkpoint_every
+        k = self.args.grad_checkpoint_every
         for i, layer in enumerate(self.layers):
             h = _checkpointed(layer, h) if k and i % k == 0 else layer(h)
         h = self.norm(h)

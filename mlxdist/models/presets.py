@@ -22,7 +22,7 @@ class ModelArgs:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
-    checkpoint_every: int = 0
+    grad_checkpoint_every: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -59,7 +59,7 @@ def resolve(cfg: ModelConfig) -> ModelArgs:
         rope_base=cfg.rope_base,
         norm_eps=cfg.norm_eps,
         tie_embeddings=cfg.tie_embeddings,
-        checkpoint_every=cfg.checkpoint_every,
+        grad_checkpoint_every=cfg.grad_checkpoint_every,
     )
 
 

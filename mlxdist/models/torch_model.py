@@ -127,7 +127,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
-        k = self.args.checkpoint_every
+        k = self.args.grad_checkpoint_every
         # Same rule as MLX (layer i recomputed when i % k == 0) so that memory estimates and
         # batch-size controllers tuned on one engine carry over to the other. Only worth
         # doing when a backward will follow.

@@ -1,5 +1,6 @@
 """Gradient sync strategies and weight agreement across ranks. Knows arrays, not layers."""
 
-from .grad import GradSync, SyncStats, checksum, plan_buckets
+from ..engine.common import checksum
+from .grad import GradSync, SyncStats, plan_buckets
 
 __all__ = ["GradSync", "SyncStats", "checksum", "plan_buckets"]

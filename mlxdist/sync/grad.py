@@ -11,11 +11,9 @@ needed, large gradients skip the pack: on a slow-memory box the pack copy alone 
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from ..collective import Collective
 
@@ -86,11 +84,3 @@ class GradSync:
                 out[i] = flat[offset : offset + n].reshape(arrays[i].shape)
                 offset += n
         return out, stats
-
-
-def checksum(arrays: list[np.ndarray]) -> int:
-    """Bit-exact fingerprint of a set of arrays: equal on all ranks iff weights agree."""
-    crc = 0
-    for a in arrays:
-        crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
-    return crc

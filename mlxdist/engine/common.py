@@ -1,0 +1,76 @@
+"""Engine logic that is the same whatever the framework: one copy, so both engines agree.
+
+Both engines must produce the same numbers from the same checkpoint (DESIGN promise 5),
+so the rules that decide numbers (which parameters decay, how a token is drawn) live
+here, in numpy, not twice in two frameworks.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
+
+from ..data.batch import TokenBatch
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def decays(shape: tuple[int, ...]) -> bool:
+    """AdamW's decoupled weight decay applies to matrices, not to norms and biases."""
+    return len(shape) >= 2
+
+
+def check_weights(expected: Mapping[str, tuple[int, ...]], weights: Mapping[str, np.ndarray],
+                  what: str = "checkpoint") -> None:
+    """One line that says which parameter does not fit, before anything is overwritten."""
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ValueError(f"{what} lacks {len(missing)} parameter(s), e.g. {missing[0]} "
+                         "(a different model.preset, model.path or finetune setting?)")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise ValueError(f"{what} has {len(extra)} parameter(s) this model does not, e.g. {extra[0]}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != tuple(shape):
+            raise ValueError(f"{what}: {name} has shape {tuple(weights[name].shape)}, model has {tuple(shape)}")
+
+
+def as_batch(batch: TokenBatch | np.ndarray) -> TokenBatch:
+    return batch if isinstance(batch, TokenBatch) else TokenBatch(np.asarray(batch, np.int32))
+
+
+def sample_tokens(next_logits: Callable[[list[int]], np.ndarray], prompt: list[int], max_new: int,
+                  temperature: float, seed: int, context: int, stop: set[int] | None = None,
+                  on_token: Callable[[int], None] | None = None) -> list[int]:
+    """Draw up to `max_new` tokens after `prompt`; `next_logits(window)` gives fp32 logits of
+    the last position. The draw is made here with numpy, so a seed gives the same text on
+    either engine and any device. temperature <= 0 means greedy."""
+    if not prompt:
+        raise ValueError("empty prompt: give at least one token (e.g. --prompt 'Hello')")
+    rng = np.random.default_rng(seed)
+    seq, out = list(prompt), []
+    for _ in range(max_new):
+        logits = np.asarray(next_logits(seq[-context:]), np.float64)
+        if temperature <= 0:
+            nxt = int(np.argmax(logits))
+        else:
+            z = logits / temperature
+            p = np.exp(z - z.max())
+            nxt = int(rng.choice(len(p), p=p / p.sum()))
+        seq.append(nxt)
+        out.append(nxt)
+        if on_token is not None:
+            on_token(nxt)
+        if stop and nxt in stop:
+            break
+    return out
+
+
+def checksum(arrays: Iterable[np.ndarray]) -> int:
+    """Bit-exact fingerprint of a set of arrays: equal on all ranks iff weights agree."""
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
+    return crc

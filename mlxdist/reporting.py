@@ -1,0 +1,61 @@
+"""One event, three sinks: a decision or observation is emitted once, by kind and fields,
+and becomes the JSONL event, the Prometheus metric and (when it has text) the log line here.
+
+The loop never talks to a sink directly, so a new decision cannot be logged but not
+counted, or counted under a name the event log does not use.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from .events import EventLog, Progress
+from .metrics import Metrics
+
+
+class Log:
+    """Rank 0 talks to the terminal; other ranks write `logs/rankN.log` (same lines)."""
+
+    def __init__(self, rank: int, label: str, run_dir: Path, progress: Progress | None = None):
+        self.label = label
+        self.file: TextIO | None = None
+        if rank != 0:
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            self.file = open(run_dir / "logs" / f"rank{rank}.log", "a", buffering=1)
+        self.progress = progress
+
+    def __call__(self, text: str) -> None:
+        if self.file:
+            self.file.write(f"[{self.label}] {text}\n")
+        elif self.progress is not None:
+            self.progress.message(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+class Reporter:
+    def __init__(self, log: Log, events: EventLog, metrics: Metrics, progress: Progress):
+        self.log, self.events, self.metrics, self.progress = log, events, metrics, progress
+        log.progress = progress
+
+    def emit(self, kind: str, text: str | None = None, **fields: Any) -> None:
+        """Record `kind` with `fields` in every sink; `text` is the human's version of it."""
+        self.events.write(kind, **fields)
+        self.metrics.record(kind, fields)
+        if text:
+            self.log(text)
+
+    def say(self, text: str) -> None:
+        """Banner lines and notices that are neither decisions nor observations."""
+        self.log(text)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.events.close()
+        self.log.close()
