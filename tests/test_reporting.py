@@ -1,0 +1,59 @@
+"""One event, three sinks: what `Reporter.emit` writes to the JSONL log, the Prometheus
+registry and the log line."""
+
+import json
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlxdist.events import EventLog, Progress
+from mlxdist.metrics import Metrics
+from mlxdist.reporting import Log, Reporter
+
+
+def _reporter(tmp_path, rank=0):
+    progress = Progress(10, enabled=False)
+    metrics = Metrics(rank, "hostA")
+    return Reporter(Log(rank, f"rank {rank} (hostA)", tmp_path), EventLog(tmp_path, rank, "hostA"), metrics,
+                    progress), metrics
+
+
+def _samples(metrics, name):
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    return fams[name].samples
+
+
+def test_a_decision_becomes_event_metric_and_line(tmp_path, capfd):
+    report, metrics = _reporter(tmp_path)
+    report.emit("balance", "balance: step 5: shares [16, 16] -> [20, 12]", step=5, old=[16, 16], new=[20, 12])
+    report.emit("rollback", "rollback: back to step 3", step=6, lr_scale=0.5)
+    report.close()
+    events = [json.loads(x) for x in (tmp_path / "logs" / "rank0.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"], e["rank"], e["host"]) for e in events] == [("balance", 5, 0, "hostA"),
+                                                                             ("rollback", 6, 0, "hostA")]
+    decisions = {(s.labels["controller"], s.labels["action"]): s.value
+                 for s in _samples(metrics, "mlxdist_controller_decisions") if s.name.endswith("_total")}
+    assert decisions == {("balancer", "resplit"): 1.0}
+    assert [s.value for s in _samples(metrics, "mlxdist_rollbacks") if s.name.endswith("_total")] == [1.0]
+    err = capfd.readouterr().err
+    assert "shares [16, 16] -> [20, 12]" in err and "back to step 3" in err
+
+
+def test_other_ranks_write_their_lines_to_a_file(tmp_path, capfd):
+    report, _ = _reporter(tmp_path, rank=1)
+    report.emit("oom", "oom: step 2: micro-batch 8 -> 4", step=2, old=8, new=4)
+    report.close()
+    assert capfd.readouterr().err == ""
+    assert "[rank 1 (hostA)] oom: step 2: micro-batch 8 -> 4" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+def test_a_step_event_sets_the_step_series(tmp_path):
+    report, metrics = _reporter(tmp_path)
+    fields = dict(step=1, loss=2.5, lr=1e-3, grad_norm=0.7, tokens_per_s=100.0, step_s=0.2, sync_s=0.01,
+                  sync_bytes=4096, data_wait_s=0.0, micro_batch=8, accum=2, samples=16, tokens=512,
+                  memory_active_bytes=1, memory_peak_bytes=2, memory_limit_bytes=3)
+    report.emit("step", **fields)
+    report.close()
+    assert [s.value for s in _samples(metrics, "mlxdist_loss")] == [2.5]
+    assert [s.value for s in _samples(metrics, "mlxdist_tokens") if s.name.endswith("_total")] == [512.0]
+    assert [s.value for s in _samples(metrics, "mlxdist_sync_bytes") if s.name.endswith("_total")] == [4096.0]
