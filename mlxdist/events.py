@@ -32,9 +32,9 @@ class EventLog:
 class Progress:
     """`step 120/300 [####......] loss 2.31 | 41.2k tok/s | eta 1m05s` on one redrawn line."""
 
-    def __init__(self, total: int, enabled: bool, every: int = 10, stream: TextIO = sys.stderr):
+    def __init__(self, total: int, enabled: bool, every: int = 10, stream: TextIO | None = None):
         """On a terminal the line is redrawn every step; in a log file, every `every` steps."""
-        self.total, self.enabled, self.stream, self.every = total, enabled, stream, every
+        self.total, self.enabled, self.stream, self.every = total, enabled, stream or sys.stderr, every
         self.tty = stream.isatty()
         self._start: float | None = None
         self._start_step = 0
