@@ -35,7 +35,7 @@ class Progress:
     def __init__(self, total: int, enabled: bool, every: int = 10, stream: TextIO | None = None):
         """On a terminal the line is redrawn every step; in a log file, every `every` steps."""
         self.total, self.enabled, self.stream, self.every = total, enabled, stream or sys.stderr, every
-        self.tty = stream.isatty()
+        self.tty = self.stream.isatty()
         self._start: float | None = None
         self._start_step = 0
 
