@@ -1,0 +1,568 @@
+"""Pretrained bases (a Hugging Face directory or a GGUF file) through the ecosystem's loaders.
+
+mlx-lm builds the MLX model and transformers the torch one, so both engines see the same
+architecture code their users already trust, with the Hugging Face parameter names on both
+sides (GPT-2 is the one exception: see `to_hf_state`). Nothing heavy is imported at module
+top: `inspect` and the fingerprint run before any framework is chosen, and a machine
+without the `hf` extra must still get a one-line error instead of an ImportError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import mlx.nn
+    import numpy as np
+    import torch
+
+EXTRA = "pip install 'mlxdist[hf]'"
+# Architectures whose loading, names and logits are tested on both engines.
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+GGUF_SUPPORTED = ("llama",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# GGUF tensor types whose bits MLX keeps as affine quantization (group 32).
+_GGUF_BITS = {2: 4, 3: 4, 8: 8}  # Q4_0, Q4_1, Q8_0
+_SAMPLES = 16
+_CHUNK = 1 << 16
+
+
+class PretrainedError(ValueError):
+    """A one-line, user-facing problem with a pretrained model path."""
+
+
+@dataclass(frozen=True)
+class PretrainedInfo:
+    path: str
+    model_type: str
+    vocab_size: int
+    n_params: int
+    hf_config: dict = field(hash=False)
+    gguf_file: str | None
+    quantized_bits: int | None
+    files: dict[str, str] = field(hash=False)
+    fingerprint: str
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
+
+
+def require(*modules: str) -> None:
+    """Fail with the extra's install line when one of its packages is missing."""
+    import importlib.util
+
+    for mod in modules:
+        if importlib.util.find_spec(mod) is None:
+            raise PretrainedError(f"model.path needs the 'hf' extra ({mod} is not installed): {EXTRA}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inspection and fingerprint (no framework imports)
+
+
+def file_digest(path: Path, full: bool = False) -> str:
+    """sha256 of the size, the first MiB (the header) and 16 evenly spaced 64 KiB samples.
+
+    Two different bases of the same architecture differ in every sampled block, and reading
+    ~2 MiB keeps the start-up check instant for a 3B model (a full hash of 6 GB takes ~8 s
+    per rank here); `full=True` hashes everything for the paranoid.
+    """
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        if full or size <= (1 << 20) + _SAMPLES * _CHUNK:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        else:
+            h.update(f.read(1 << 20))
+            for i in range(_SAMPLES):
+                f.seek((1 << 20) + (size - (1 << 20) - _CHUNK) * (i + 1) // _SAMPLES)
+                h.update(f.read(_CHUNK))
+    return h.hexdigest()
+
+
+def inspect(path: str | os.PathLike, full_hash: bool = False) -> PretrainedInfo:
+    """Describe a base without loading it: what it is, how big, and a fingerprint of its bytes."""
+    p = Path(os.path.expanduser(str(path)))
+    if not p.exists():
+        raise PretrainedError(f"model.path: {path}: no such file or directory")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise PretrainedError(f"model.path: {path}: expected a Hugging Face directory or a .gguf file")
+        return _inspect_gguf(p, full_hash)
+    return _inspect_dir(p, full_hash)
+
+
+def _fingerprint(config: dict, files: dict[str, str]) -> str:
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name in sorted(files):
+        h.update(f"{name}:{files[name]}".encode())
+    return h.hexdigest()[:32]
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def _inspect_dir(p: Path, full_hash: bool) -> PretrainedInfo:
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise PretrainedError(f"model.path: {p}: not a Hugging Face model directory (no config.json)")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise PretrainedError(f"model.path: {cfg_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED:
+        raise PretrainedError(f"model.path: {cfg_file}: unsupported model_type {model_type!r} "
+                              f"(supported: {', '.join(SUPPORTED)})")
+    weights = sorted(q for q in p.glob("*.safetensors"))
+    if not weights:
+        raise PretrainedError(f"model.path: {p}: no *.safetensors weights (re-save the model with "
+                              "transformers' save_pretrained(..., safe_serialization=True))")
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        wanted = set(json.loads(index.read_text())["weight_map"].values())
+        missing = sorted(wanted - {w.name for w in weights})
+        if missing:
+            raise PretrainedError(f"model.path: {index}: shard {missing[0]} is missing")
+    if not any((p / t).is_file() for t in TOKENIZER_FILES):
+        raise PretrainedError(f"model.path: {p}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                              "copy the tokenizer files of the base model into it")
+    n_params, bits = 0, None
+    for w in weights:
+        for name, meta in _safetensors_header(w).items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for d in meta["shape"]:
+                count *= d
+            n_params += count
+    q = config.get("quantization") or {}
+    if isinstance(q, dict) and q.get("bits"):
+        bits = int(q["bits"])
+    files = {w.name: file_digest(w, full_hash) for w in weights}
+    return PretrainedInfo(path=str(p), model_type=model_type, vocab_size=int(_vocab(config)),
+                          n_params=n_params, hf_config=config, gguf_file=None, quantized_bits=bits,
+                          files=files, fingerprint=_fingerprint(config, files))
+
+
+def _vocab(config: dict) -> int:
+    return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0)
+
+
+# GGUF value types -> struct format (strings and arrays handled apart).
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, list[int], int]]]:
+    """Metadata and tensor table of a GGUF file (v2/v3), read without any framework.
+
+    String arrays (the vocabulary, merges) are returned as their length only: the tokenizer
+    comes from transformers' conversion, and skipping them keeps this read in milliseconds.
+    """
+    with open(path, "rb") as f:
+        data = f.read(1 << 20)
+        pos = 0
+
+        def need(n: int) -> None:
+            nonlocal data
+            while pos + n > len(data):
+                more = f.read(max(n, 1 << 22))
+                if not more:
+                    raise PretrainedError(f"model.path: {path}: truncated GGUF header")
+                data += more
+
+        def take(fmt: str):
+            nonlocal pos
+            size = struct.calcsize("<" + fmt)
+            need(size)
+            val = struct.unpack_from("<" + fmt, data, pos)
+            pos += size
+            return val[0] if len(val) == 1 else val
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            need(n)
+            s = data[pos:pos + n].decode("utf-8", errors="replace")
+            pos += n
+            return s
+
+        def value(t: int):
+            nonlocal pos
+            if t == 8:
+                return string()
+            if t == 9:
+                et, n = take("I"), take("Q")
+                if et == 8:
+                    for _ in range(n):
+                        m = take("Q")
+                        need(m)
+                        pos += m
+                    return n
+                fmt = _GGUF_SCALARS[et]
+                size = struct.calcsize(fmt) * n
+                need(size)
+                vals = list(struct.unpack_from(f"<{n}{fmt}", data, pos))
+                pos += size
+                return vals if n <= 64 else n
+            return take(_GGUF_SCALARS[t])
+
+        if take("4s") != b"GGUF":
+            raise PretrainedError(f"model.path: {path}: not a GGUF file (bad magic)")
+        version = take("I")
+        if version < 2:
+            raise PretrainedError(f"model.path: {path}: GGUF version {version} is too old (need 2 or 3)")
+        n_tensors, n_kv = take("Q"), take("Q")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(take("I"))
+        tensors = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = [take("Q") for _ in range(take("I"))]
+            ttype = take("I")
+            take("Q")
+            tensors.append((name, dims, ttype))
+    return meta, tensors
+
+
+def _inspect_gguf(p: Path, full_hash: bool) -> PretrainedInfo:
+    try:
+        meta, tensors = read_gguf_header(p)
+    except (struct.error, KeyError, UnicodeDecodeError) as e:
+        raise PretrainedError(f"model.path: {p}: unreadable GGUF header ({e})") from None
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_SUPPORTED:
+        raise PretrainedError(f"model.path: {p}: unsupported GGUF architecture {arch!r} "
+                              f"(supported: {', '.join(GGUF_SUPPORTED)}; or use a Hugging Face directory)")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise PretrainedError(f"model.path: {p}: the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
+    config = gguf_hf_config(meta, tensors)
+    n_params = 0
+    bits_seen = set()
+    for _, dims, ttype in tensors:
+        count = 1
+        for d in dims:
+            count *= d
+        n_params += count
+        if ttype in _GGUF_BITS:
+            bits_seen.add(_GGUF_BITS[ttype])
+        elif ttype not in (0, 1, 30):
+            raise PretrainedError(f"model.path: {p}: GGUF tensor type {ttype} is not supported "
+                                  "(F32, F16, BF16, Q4_0, Q4_1, Q8_0 are)")
+    files = {p.name: file_digest(p, full_hash)}
+    return PretrainedInfo(path=str(p), model_type=arch, vocab_size=config["vocab_size"], n_params=n_params,
+                          hf_config=config, gguf_file=p.name, quantized_bits=min(bits_seen) if bits_seen else None,
+                          files=files, fingerprint=_fingerprint(config, files))
+
+
+def gguf_hf_config(meta: dict, tensors: list[tuple[str, list[int], int]]) -> dict:
+    """A transformers/mlx-lm config.json for a llama-architecture GGUF file.
+
+    `rope_theta` is written top-level as well as in `rope_parameters`: mlx-lm's llama reads
+    only the former and silently falls back to 10000 without it.
+    """
+    a = meta["general.architecture"]
+    names = {t[0]: t[1] for t in tensors}
+    n_heads = int(meta[f"{a}.attention.head_count"])
+    dim = int(meta[f"{a}.embedding_length"])
+    vocab = int(meta.get(f"{a}.vocab_size") or names["token_embd.weight"][1])
+    theta = float(meta.get(f"{a}.rope.freq_base", 10000.0))
+    eos = int(meta.get("tokenizer.ggml.eos_token_id", 2))
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dim,
+        "intermediate_size": int(meta[f"{a}.feed_forward_length"]),
+        "num_hidden_layers": int(meta[f"{a}.block_count"]),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", n_heads)),
+        "head_dim": int(meta.get(f"{a}.rope.dimension_count", dim // n_heads)),
+        "rms_norm_eps": float(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(meta.get(f"{a}.context_length", 2048)),
+        "vocab_size": vocab,
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": eos,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    # float32 keeps the JSON stable (the header stores float32; Python would print 1e-05 as 9.99e-06).
+    cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Names shared by both engines
+
+
+_GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def to_hf_state(weights: dict[str, np.ndarray], model_type: str) -> dict[str, np.ndarray]:
+    """MLX parameter names/layout -> transformers' (identity except GPT-2).
+
+    mlx-lm names GPT-2 `model.h.0...` with Linear [out, in] weights, transformers
+    `transformer.h.0...` with Conv1D [in, out] weights; every other supported
+    architecture already shares names and layouts.
+    """
+    if model_type != "gpt2":
+        return dict(weights)
+    out = {}
+    for name, w in weights.items():
+        hf = "transformer." + name[len("model."):] if name.startswith("model.") else name
+        out[hf] = w.T if hf.endswith(_GPT2_TRANSPOSED) else w
+    return out
+
+
+def from_hf_state(weights: dict[str, np.ndarray], model_type: str) -> dict[str, np.ndarray]:
+    """Inverse of `to_hf_state`."""
+    if model_type != "gpt2":
+        return dict(weights)
+    out = {}
+    for name, w in weights.items():
+        mx_name = "model." + name[len("transformer."):] if name.startswith("transformer.") else name
+        out[mx_name] = w.T if mx_name.endswith(_GPT2_TRANSPOSED) else w
+    return out
+
+
+def mlx_state(model: mlx.nn.Module) -> dict[str, np.ndarray]:
+    """The MLX model's parameters as numpy, by name (what a checkpoint stores)."""
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+def torch_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().float().numpy() for k, v in module.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------
+# MLX
+
+
+def _mlx_config(config: dict) -> dict:
+    cfg = dict(config)
+    rp = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and isinstance(rp, dict) and "rope_theta" in rp:
+        cfg["rope_theta"] = rp["rope_theta"]
+    if cfg.get("model_type") == "gpt2":
+        cfg.setdefault("n_ctx", cfg.get("n_positions", 1024))
+    return cfg
+
+
+def load_mlx(path: str | os.PathLike, quantize: int | None = None) -> tuple[mlx.nn.Module, PretrainedInfo]:
+    """An mlx-lm model (`model(tokens[b, T]) -> logits[b, T, V]`) and what it was loaded from.
+
+    quantize=None gives float weights (a quantized GGUF is dequantized, so full fine-tuning
+    works); 4 or 8 quantizes an HF model with MLX affine quantization (group 64), while a
+    quantized GGUF keeps its own Q4/Q8 blocks (group 32) whatever the number.
+    """
+    info = inspect(path)
+    require("mlx_lm", "transformers")
+    if quantize not in (None, 4, 8):
+        raise PretrainedError(f"model.quantize: {quantize}: expected 4 or 8")
+    if info.is_gguf:
+        model = _load_mlx_gguf(Path(info.path), info, quantize)
+    else:
+        model = _load_mlx_dir(Path(info.path), info)
+        if quantize is not None and info.quantized_bits is None:
+            from mlx_lm.utils import quantize_model
+
+            model, _ = quantize_model(model, _mlx_config(info.hf_config), group_size=64, bits=quantize)
+    if quantize is not None:
+        info = _with_bits(info, info.quantized_bits or quantize)
+    elif info.is_gguf:
+        info = _with_bits(info, None)
+    return model, info
+
+
+def _with_bits(info: PretrainedInfo, bits: int | None) -> PretrainedInfo:
+    from dataclasses import replace
+
+    return replace(info, quantized_bits=bits)
+
+
+def _load_mlx_dir(p: Path, info: PretrainedInfo):
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    def classes(config: dict):
+        import importlib
+
+        from mlx_lm.utils import MODEL_REMAPPING
+
+        t = config["model_type"]
+        arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(t, t)}")
+        if t != "gpt2":
+            return arch.Model, arch.ModelArgs
+
+        class GPT2(arch.Model):
+            # mlx-lm's GPT-2 expects the original OpenAI key names; transformers saves them
+            # under `transformer.`, which would otherwise skip its Conv1D transposes.
+            def sanitize(self, weights):
+                return super().sanitize({k.removeprefix("transformer."): v for k, v in weights.items()})
+
+        return GPT2, arch.ModelArgs
+
+    model, _ = load_model(p, lazy=True, model_config=_mlx_config(info.hf_config), get_model_classes=classes)
+    mx.eval(model.parameters())
+    return model
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    base, _, kind = name.rpartition(".")
+    if base == "token_embd":
+        return f"model.embed_tokens.{kind}"
+    if base == "output_norm":
+        return f"model.norm.{kind}"
+    if base == "output":
+        return f"lm_head.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{kind}"
+    raise PretrainedError(f"GGUF tensor {name!r} has no Hugging Face llama name")
+
+
+def _unpermute(a, n_heads: int):
+    """Undo llama.cpp's Q/K row interleave so the standard (non-traditional) RoPE applies."""
+    rows = a.shape[0]
+    return a.reshape(n_heads, 2, rows // n_heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def _load_mlx_gguf(p: Path, info: PretrainedInfo, quantize: int | None):
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    cfg = info.hf_config
+    raw = mx.load(str(p))
+    weights: dict[str, mx.array] = {}
+    bits: dict[str, int] = {}
+    for name, a in raw.items():
+        hf = gguf_to_hf_name(name)
+        module, _, kind = hf.rpartition(".")
+        if kind in ("scales", "biases"):
+            a = a.astype(mx.float32)
+        elif kind == "weight" and f"{name[:-len('.weight')]}.scales" in raw:
+            in_dim = raw[name[:-len(".weight")] + ".scales"].shape[-1] * 32
+            bits[module] = a.shape[-1] * 32 // in_dim
+        elif a.dtype != mx.float32:
+            a = a.astype(mx.float32)
+        if ".q_proj." in hf:
+            a = _unpermute(a, cfg["num_attention_heads"])
+        elif ".k_proj." in hf:
+            a = _unpermute(a, cfg["num_key_value_heads"])
+        weights[hf] = a
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    if quantize is None:
+        for module, b in bits.items():
+            w = weights.pop(f"{module}.weight")
+            s, z = weights.pop(f"{module}.scales"), weights.pop(f"{module}.biases")
+            weights[f"{module}.weight"] = mx.dequantize(w, s, z, group_size=32, bits=b)
+    else:
+        nn.quantize(model, class_predicate=lambda path, m: (
+            {"group_size": 32, "bits": bits[path]} if path in bits else False))
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    if quantize is not None and not bits:
+        from mlx_lm.utils import quantize_model
+
+        model, _ = quantize_model(model, _mlx_config(cfg), group_size=64, bits=quantize)
+    model.eval()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# torch
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MLXDIST_CACHE") or Path.home() / ".cache" / "mlxdist")
+
+
+def hf_dir(path: str | os.PathLike, info: PretrainedInfo | None = None, log=None) -> Path:
+    """A Hugging Face directory for the base: itself, or a GGUF file's cached conversion.
+
+    transformers parses a GGUF vocabulary in ~20 s, so the conversion (fp32 weights,
+    tokenizer, config) is done once and kept under ~/.cache/mlxdist/gguf-<fingerprint>.
+    """
+    info = info or inspect(path)
+    if not info.is_gguf:
+        return Path(info.path)
+    out = cache_root() / f"gguf-{info.fingerprint}"
+    if (out / "config.json").is_file():
+        return out
+    require("transformers", "gguf", "torch")
+    (log or (lambda m: print(m, file=sys.stderr)))(
+        f"converting {info.path} to a Hugging Face directory once (~20 s), cached in {out}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(info.path)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg.setdefault("rope_theta", info.hf_config["rope_theta"])
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    try:
+        tmp.rename(out)
+    except OSError:  # another rank on this host finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_torch(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, PretrainedInfo]:
+    """A transformers model in fp32, callable as `module(input_ids) -> logits`.
+
+    The wrapper shares the inner model's submodules, so `named_parameters()` and
+    `state_dict()` carry the Hugging Face names, the same ones mlx-lm uses.
+    """
+    info = inspect(path)
+    require("torch", "transformers")
+    d = hf_dir(path, info)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PretrainedError(f"model.path: {path}: transformers cannot load it ({first})") from None
+    from .hf_torch import HFCausalLM
+
+    return HFCausalLM(hf).to(device), info
