@@ -455,7 +455,7 @@ def gguf_to_hf_name(name: str) -> str:
 def _unpermute(a, n_heads: int):
     """Undo llama.cpp's Q/K row interleave so the standard (non-traditional) RoPE applies."""
     rows = a.shape[0]
-    return a.reshape(n_heads, 2, rows // n_heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+    return a.reshape(n_heads, rows // n_heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
 
 def _load_mlx_gguf(p: Path, info: PretrainedInfo, quantize: int | None):
