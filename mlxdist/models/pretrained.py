@@ -57,12 +57,14 @@ class PretrainedInfo:
 
 
 def require(*modules: str) -> None:
-    """Fail with the extra's install line when one of its packages is missing."""
-    import importlib.util
+    """Fail with the extra's install line when one of its packages cannot be imported."""
+    import importlib
 
     for mod in modules:
-        if importlib.util.find_spec(mod) is None:
-            raise PretrainedError(f"model.path needs the 'hf' extra ({mod} is not installed): {EXTRA}")
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            raise PretrainedError(f"model.path needs the 'hf' extra ({mod} cannot be imported): {EXTRA}") from None
 
 
 # ---------------------------------------------------------------------------------------------
