@@ -377,7 +377,10 @@ def load_torch(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.M
     from transformers import AutoModelForCausalLM
 
     try:
-        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        # mlx-lm's models have no dropout; without this GPT-2 would train differently per engine.
+        no_dropout = ({"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0} if info.model_type == "gpt2"
+                      else {"attention_dropout": 0.0})
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **no_dropout)
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PretrainedError(f"model.path: {path}: transformers cannot load it ({first})") from None
