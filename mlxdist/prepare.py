@@ -3,6 +3,8 @@
 Text files become one document each; JSONL files one document per line (its `text` field,
 or `--field`). Documents are joined with an end-of-text token, which lets the window
 sampler cross document boundaries without the model confusing two documents for one.
+With `--tokenizer MODEL_PATH` (a Hugging Face directory or .gguf file) the text is tokenized
+with that model's own tokenizer and joined with its end-of-sequence token; otherwise bytes.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import numpy as np
 
 from .data.shards import write_shards
 from .data.tokenizer import ByteTokenizer
@@ -32,12 +36,24 @@ def documents(paths: list[Path], field: str) -> Iterator[str]:
             yield path.read_text(encoding="utf-8", errors="replace")
 
 
+def _encoder(model_path: str | None) -> tuple[Callable[[str], np.ndarray], int]:
+    if model_path is None:
+        tok = ByteTokenizer()
+        return (lambda text: tok.encode(text, eos=True)), tok.vocab_size
+    from .data.hf_tokenizer import load_tokenizer
+
+    hf = load_tokenizer(model_path)
+    return (lambda text: np.array(hf.encode(text) + [hf.eos], dtype=np.int64)), hf.vocab_size
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.prepare")
     p.add_argument("inputs", nargs="+", help="text files, .jsonl files, or directories of them")
     p.add_argument("--out", required=True)
     p.add_argument("--field", default="text", help="JSONL field holding the text")
     p.add_argument("--shard-tokens", type=int, default=50_000_000)
+    p.add_argument("--tokenizer", metavar="MODEL_PATH",
+                   help="tokenize with this pretrained model's tokenizer (HF directory or .gguf)")
     args = p.parse_args(argv)
     paths: list[Path] = []
     for raw in args.inputs:
@@ -49,15 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"error: {raw}: no such file or directory", file=sys.stderr)
             return 2
-    tok = ByteTokenizer()
     try:
-        index = write_shards((tok.encode(d, eos=True) for d in documents(paths, args.field)), args.out,
-                             args.shard_tokens, tok.vocab_size)
+        encode, vocab_size = _encoder(args.tokenizer)
+        index = write_shards((encode(d) for d in documents(paths, args.field)), args.out,
+                             args.shard_tokens, vocab_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {index['tokens']} tokens in {len(index['shards'])} shard(s) to {args.out}; "
-          f"train with: python -m mlxdist.train data.source=shards data.path={args.out}")
+          f"train with: python -m mlxdist.train data.source=shards data.path={args.out}"
+          + (f" model.path={args.tokenizer}" if args.tokenizer else ""))
     return 0
 
 

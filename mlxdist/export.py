@@ -1,0 +1,107 @@
+"""`python -m mlxdist.export RUN_DIR --out DIR`: a trained pretrained-base run as a HF directory.
+
+The directory (config.json, model.safetensors, tokenizer files) opens with transformers'
+`from_pretrained` and mlx-lm's `load` as it is, so a fine-tune leaves this project in the
+format every other tool reads, with no conversion step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .models.pretrained import PretrainedError, hf_dir, inspect, to_hf_state
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                    "chat_template.json", "generation_config.json")
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class ExportError(ValueError):
+    pass
+
+
+def export_hf(weights: dict[str, np.ndarray], base_path: str | os.PathLike, out_dir: str | os.PathLike,
+              dtype: str = "float32") -> Path:
+    """Write `weights` (by MLX/HF parameter name) as a HF directory of the base's architecture."""
+    if dtype not in _DTYPES:
+        raise ExportError(f"--dtype {dtype}: expected one of {', '.join(_DTYPES)}")
+    info = inspect(base_path)
+    quantized = sorted(n for n in weights if n.endswith((".scales", ".biases")))
+    if quantized:
+        raise ExportError(f"weight {quantized[0]} is quantized; export needs float weights "
+                          "(train with model.quantize unset, or merge adapters into a float base)")
+    from safetensors.numpy import save_file
+
+    src = hf_dir(base_path, info)
+    config = dict(info.hf_config) if not info.is_gguf else json.loads((src / "config.json").read_text())
+    if info.is_gguf:
+        config["rope_theta"] = info.hf_config["rope_theta"]
+    rp = config.get("rope_parameters")
+    if "rope_theta" not in config and isinstance(rp, dict) and "rope_theta" in rp:
+        config["rope_theta"] = rp["rope_theta"]  # mlx-lm's llama reads only the top-level key
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = dtype
+    config["dtype"] = dtype
+    hf = to_hf_state(weights, info.model_type)
+    if info.model_type == "gpt2":
+        # The original OpenAI key names: transformers adds its `transformer.` prefix itself,
+        # mlx-lm's GPT-2 reads only these.
+        hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
+        config.setdefault("n_ctx", config.get("n_positions", 1024))
+    if config.get("tie_word_embeddings", True):
+        hf.pop("lm_head.weight", None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(v.astype(_DTYPES[dtype])) for k, v in hf.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mlxdist.export",
+                                description="Export a run's newest valid checkpoint as a Hugging Face directory.")
+    p.add_argument("run_dir", help="the run directory (holds checkpoints/)")
+    p.add_argument("--out", required=True, help="directory to write (must be empty or absent)")
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    args = p.parse_args(argv)
+    from . import checkpoint as ckpt
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        print(f"error: --out {out}: exists and is not empty; pass --force to write into it", file=sys.stderr)
+        return 2
+    loaded = ckpt.load_latest(Path(args.run_dir) / "checkpoints", warn=lambda m: print(m, file=sys.stderr))
+    if loaded is None:
+        print(f"error: {args.run_dir}: no valid checkpoint in {Path(args.run_dir) / 'checkpoints'}", file=sys.stderr)
+        return 2
+    base = loaded.state.get("config", {}).get("model", {}).get("path")
+    if not base:
+        print(f"error: {loaded.path}: the run did not start from a pretrained model (model.path is unset); "
+              "export needs its base's config and tokenizer", file=sys.stderr)
+        return 2
+    try:
+        export_hf(loaded.weights, base, out, args.dtype)
+    except (ExportError, PretrainedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {loaded.path.name} to {out}; open it with transformers' "
+          f"AutoModelForCausalLM.from_pretrained('{out}') or mlx_lm.load('{out}')")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
