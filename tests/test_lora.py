@@ -261,3 +261,28 @@ def test_read_peft_rejects_what_it_cannot_load(base, tmp_path):
         read_peft(tmp_path)
     fp = base_fingerprint(base)
     assert fp == base_fingerprint(base) and len(fp) == 64
+
+
+def test_fused_qlora_model_opens_in_mlx_lm_and_transformers(base, tmp_path):
+    from mlx_lm.utils import load_model
+    from transformers import AutoModelForCausalLM
+
+    from mlxdist.models.adapters import save_fused
+
+    mx.random.seed(7)
+    model, config = load_model(base)
+    nn.quantize(model, group_size=32, bits=4)
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    apply_lora(model, ft("dora", train_norms=True))
+    randomize(model)
+    with pytest.raises(ValueError, match="unmerged adapters"):
+        save_fused(model, config, tmp_path / "early")
+    unmerged = logits(model)
+    report = fuse(model)
+    out = save_fused(model, config, tmp_path / "fused", base_dir=base, dequantized=report.dequantized)
+    assert (out / "tokenizer.json").exists()
+    again, conf = load_model(out)
+    assert "quantization" not in conf
+    np.testing.assert_allclose(logits(again), unmerged, atol=1e-4, rtol=0)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype="float32")
+    np.testing.assert_allclose(torch_logits(hf), unmerged, atol=1e-4, rtol=0)

@@ -204,3 +204,33 @@ def save_mlx_lm_adapter(state: dict[str, np.ndarray], cfg: FinetuneConfig, n_lay
               metadata={"format": "mlx"})
     (out / "adapter_config.json").write_text(json.dumps(conf, indent=2))
     return out
+
+
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+               "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def save_fused(model, config: dict, out_dir: str | Path, base_dir: str | Path | None = None,
+               dequantized: bool = False) -> Path:
+    """Write a merged model (after `lora.fuse`) as a Hugging Face style directory that
+    mlx-lm and transformers both open; tokenizer files are copied from `base_dir`.
+    `dequantized`: the base was quantized and the merge dequantized it, so the config
+    must no longer claim quantization."""
+    import shutil
+
+    from mlx_lm.utils import save_config, save_model
+
+    out = Path(out_dir)
+    if any(hasattr(m, "lora_a") for _, m in model.named_modules()):
+        raise ValueError(f"{out}: the model still has unmerged adapters; call lora.fuse(model) first")
+    config = dict(config)
+    if dequantized:
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    if base_dir is not None and Path(base_dir).is_dir():
+        for name in _SIDE_FILES:
+            if (Path(base_dir) / name).exists():
+                shutil.copy(Path(base_dir) / name, out / name)
+    return out
