@@ -286,3 +286,43 @@ def test_fused_qlora_model_opens_in_mlx_lm_and_transformers(base, tmp_path):
     np.testing.assert_allclose(logits(again), unmerged, atol=1e-4, rtol=0)
     hf = AutoModelForCausalLM.from_pretrained(out, dtype="float32")
     np.testing.assert_allclose(torch_logits(hf), unmerged, atol=1e-4, rtol=0)
+
+
+def test_export_cli_writes_mlx_lm_and_fused_from_a_peft_adapter(base, tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import env
+    from mlx_lm import load
+    from mlx_lm.utils import load_model
+
+    mx.random.seed(8)
+    model = mlx_model(base, quantize=True)
+    cfg = ft("lora", layers=1)
+    apply_lora(model, cfg)
+    state = randomize(model)
+    ours = logits(model)
+    adapter = save_peft(state, BaseInfo(str(base), N_LAYERS), cfg, tmp_path / "peft")
+
+    def export(*args):
+        return subprocess.run([sys.executable, "-m", "mlxdist.export", "--base", str(base), "--adapter",
+                               str(adapter), *args], env=env(), capture_output=True, text=True, timeout=300)
+
+    r = export("--format", "fused", "--quantize", "4", "--out", str(tmp_path / "fused"))
+    assert r.returncode == 0, r.stderr
+    assert "4-bit: dequantized, then merged" in r.stdout
+    fused, _ = load_model(tmp_path / "fused")
+    np.testing.assert_allclose(logits(fused), ours, atol=1e-4, rtol=0)
+
+    r = export("--format", "mlx-lm", "--out", str(tmp_path / "mlxlm"))
+    assert r.returncode == 0, r.stderr
+    theirs, _ = load(str(base), adapter_path=str(tmp_path / "mlxlm"))  # on the fp32 base
+    plain = mlx_model(base)
+    apply_lora(plain, cfg)
+    load_lora_state(plain, state)
+    np.testing.assert_allclose(logits(theirs), logits(plain), atol=1e-5, rtol=0)
+
+    r = subprocess.run([sys.executable, "-m", "mlxdist.export", "--base", str(base), "--adapter",
+                        str(tmp_path), "--format", "fused", "--out", str(tmp_path / "x")],
+                       env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "no adapter_config.json" in r.stderr
