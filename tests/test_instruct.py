@@ -169,3 +169,7 @@ def test_chat_masking_on_smollm2_real_template():
     assert got == "Four.<|im_end|>\nParis.<|im_end|>\n"
     assert st.trained_tokens == sum(len(tok.encode(a, add_special_tokens=False))
                                     for a in ("Four.<|im_end|>\n", "Paris.<|im_end|>\n"))
+    # No system turn: the template inserts its default one, which must stay masked.
+    ex = tokenize_example(CHAT[1], tok)
+    assert "You are a helpful AI assistant named SmolLM" in tok.decode(ex.ids)
+    assert tok.decode([i for i, t in zip(ex.ids, ex.trained, strict=True) if t]) == "I am fine, thanks.<|im_end|>\n"
