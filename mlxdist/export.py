@@ -1,4 +1,5 @@
-"""`python -m mlxdist.export RUN_DIR --out DIR`: a trained pretrained-base run as a HF directory.
+"""`python -m mlxdist.export RUN_DIR --out DIR`: a trained pretrained-base run as a HF directory;
+`--base DIR --adapter ADAPTER --format mlx-lm|fused`: an adapter for mlx-lm, or merged.
 
 The directory (config.json, model.safetensors, tokenizer files) opens with transformers'
 `from_pretrained` and mlx-lm's `load` as it is, so a fine-tune leaves this project in the
@@ -73,11 +74,24 @@ def export_hf(weights: dict[str, np.ndarray], base_path: str | os.PathLike, out_
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.export",
                                 description="Export a run's newest valid checkpoint as a Hugging Face directory.")
-    p.add_argument("run_dir", help="the run directory (holds checkpoints/)")
+    p.add_argument("run_dir", nargs="?", help="the run directory (holds checkpoints/)")
     p.add_argument("--out", required=True, help="directory to write (must be empty or absent)")
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--base", help="with --adapter: the base model directory (Hugging Face layout)")
+    p.add_argument("--adapter", help="a PEFT adapter dir (adapter_config.json + adapter_model.safetensors)")
+    p.add_argument("--format", choices=("mlx-lm", "fused"), default="fused",
+                   help="with --adapter: mlx-lm's adapter layout or a fused full model")
+    p.add_argument("--quantize", type=int, choices=(4, 8), default=None,
+                   help="with --adapter: the adapter was trained on a quantized base (QLoRA); quantize it the "
+                        "same way before merging")
     args = p.parse_args(argv)
+    if args.adapter:
+        if not args.base:
+            p.error("--adapter needs --base")
+        return _export_adapter(args)
+    if not args.run_dir:
+        p.error("give a RUN_DIR, or --base and --adapter")
     from . import checkpoint as ckpt
 
     out = Path(args.out)
@@ -101,6 +115,45 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exported {loaded.path.name} to {out}; open it with transformers' "
           f"AutoModelForCausalLM.from_pretrained('{out}') or mlx_lm.load('{out}')")
     return 0
+
+
+def _export_adapter(args: argparse.Namespace) -> int:
+    """A run's PEFT adapter -> mlx-lm's adapter layout, or a fused full model."""
+    from .models.adapters import load_peft_into_mlx, read_peft, save_fused, save_mlx_lm_adapter
+
+    base = Path(args.base)
+    try:
+        if not (base / "config.json").exists():
+            raise ValueError(f"--base {base}: no config.json (not a model directory)")
+        if args.format == "mlx-lm":
+            state, cfg = read_peft(args.adapter)
+            import json
+
+            n_layers = json.loads((base / "config.json").read_text()).get("num_hidden_layers")
+            if not n_layers:
+                raise ValueError(f"{base / 'config.json'}: no num_hidden_layers")
+            out = save_mlx_lm_adapter(state, cfg, int(n_layers), args.out)
+            print(f"wrote mlx-lm adapter to {out} (mlx_lm.load('{base}', adapter_path='{out}'))")
+            return 0
+        import mlx.nn as nn
+        from mlx_lm.utils import load_model
+
+        from .models.lora import fuse
+
+        model, config = load_model(base)
+        if args.quantize:
+            nn.quantize(model, group_size=32, bits=args.quantize)
+        info = load_peft_into_mlx(model, args.adapter)
+        report = fuse(model, dequantize=True)
+        out = save_fused(model, config, args.out, base_dir=base, dequantized=report.dequantized)
+        note = (f"; the base was {args.quantize}-bit: dequantized, then merged in full precision"
+                if report.dequantized else "")
+        print(f"fused {report.fused} {info.method} layers into {out}{note}")
+        return 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
 
 
 if __name__ == "__main__":
