@@ -1,5 +1,6 @@
 """Gradient sync strategies and weight agreement across ranks. Knows arrays, not layers."""
 
+from .diloco import DiLoCo, OuterOptimizer, OuterStats
 from .grad import GradSync, SyncStats, checksum, plan_buckets
 
-__all__ = ["GradSync", "SyncStats", "checksum", "plan_buckets"]
+__all__ = ["DiLoCo", "GradSync", "OuterOptimizer", "OuterStats", "SyncStats", "checksum", "plan_buckets"]
