@@ -61,6 +61,25 @@ class OuterOptimizer:
 
 
 @dataclass
+class Outgoing:
+    """One rank's side of a fragment sync, between `begin` and `exchange`."""
+    fragment: int
+    size: int
+    samples: int
+    inner_steps: int
+    delta: np.ndarray | None = None
+    payload: np.ndarray | None = None
+
+
+@dataclass
+class Incoming:
+    grad: np.ndarray
+    total: int
+    bytes: int
+    seconds: float
+
+
+@dataclass
 class OuterStats:
     """What one outer sync did, for the metrics (`rank`-labelled by the caller)."""
     fragment: int
@@ -97,6 +116,7 @@ class DiLoCo:
         self.samples = [0] * fragments
         self.residuals: dict[int, np.ndarray] = {}
         self.last: OuterStats | None = None
+        self._pending: set[int] = set()
 
     @property
     def fragments(self) -> int:
@@ -136,68 +156,92 @@ class DiLoCo:
         idx = range(len(self.anchors)) if k is None else self.groups[k]
         return [self.anchors[i].reshape(self.shapes[i]).copy() for i in idx]
 
-    def _reduce(self, k: int, delta: np.ndarray, samples: int, allreduce_sum: AllReduceSum,
-                allgather: AllGather | None) -> tuple[np.ndarray, int, int]:
-        if not self.codec.lossy:
-            hi, lo = divmod(samples, _DIGIT)
-            summed, count = allreduce_sum([delta * np.float32(samples), np.array([hi, lo], np.float32)])
-            total = int(count[0]) * _DIGIT + int(count[1])
-            g = summed / np.float32(total) if total else np.zeros_like(delta)
-            return np.asarray(g, np.float32), total, 4 * delta.size + 8
-        if allgather is None:
-            raise ValueError(f"dist.outer_wire={self.codec.name} needs an all-gather of byte buffers")
-        residual = self.residuals.get(k)
-        if residual is None:
-            residual = self.residuals[k] = np.zeros(delta.size, np.float32)
-        payload = np.concatenate([np.array([samples], np.int64).view(np.uint8), self.codec.encode(delta, residual)])
-        acc = np.zeros(delta.size, np.float64)
-        total = 0
-        for p in allgather(payload):
-            s = int(np.asarray(p[:8]).view(np.int64)[0])
-            acc += s * self.codec.decode(np.asarray(p[8:]), delta.size).astype(np.float64)
-            total += s
-        g = (acc / total).astype(np.float32) if total else np.zeros_like(delta)
-        return g, total, payload.size
-
-    def outer_step(self, k: int, local: Sequence[np.ndarray], allreduce_sum: AllReduceSum,
-                   allgather: AllGather | None = None) -> list[np.ndarray]:
-        """Sync fragment k: average the sample-weighted pseudo-gradients over all ranks,
-        take one outer step on the anchors, return the new weights of fragment k.
-
-        `local` holds this rank's current weights of `fragment_params(k)`, in that order.
-        Every rank must call this for the same fragment (a collective).
-        """
+    def begin(self, k: int, local: Sequence[np.ndarray]) -> Outgoing:
+        """First half of a sync of fragment k: this rank's pseudo-gradient, encoded. Moves
+        the schedule on at once, so inner steps may go on while the bytes travel."""
         if k != self.cursor:
             raise RuntimeError(f"DiLoCo: fragment {k} synced out of turn (expected {self.cursor})")
+        if k in self._pending:
+            raise RuntimeError(f"DiLoCo: fragment {k} started again before its last sync finished")
         idx = self.groups[k]
         if len(local) != len(idx):
             raise ValueError(f"DiLoCo: fragment {k} has {len(idx)} arrays, got {len(local)}")
         anchor = np.concatenate([self.anchors[i] for i in idx])
         delta = anchor - np.concatenate([np.asarray(w, np.float32).reshape(-1) for w in local])
-        samples = self.samples[k]
-        t0 = time.perf_counter()
-        g, total, nbytes = self._reduce(k, delta, samples, allreduce_sum, allgather)
-        seconds = time.perf_counter() - t0
-        if total:
-            offset = 0
-            for i in idx:
-                n = self.anchors[i].size
-                self.anchors[i] = self.outer.step(i, self.anchors[i], g[offset: offset + n])
-                offset += n
-        self.last = OuterStats(k, seconds, nbytes, float(np.linalg.norm(g)), self.round_steps, samples, total)
+        out = Outgoing(k, delta.size, self.samples[k], self.round_steps)
+        if self.codec.lossy:
+            residual = self.residuals.get(k)
+            if residual is None:
+                residual = self.residuals[k] = np.zeros(delta.size, np.float32)
+            out.payload = np.concatenate([np.array([out.samples], np.int64).view(np.uint8),
+                                          self.codec.encode(delta, residual)])
+        else:
+            out.delta = delta
+        self._pending.add(k)
         self.samples[k] = 0
         self.cursor += 1
         if self.cursor == self.fragments:
             self.cursor, self.round_steps = 0, 0
             if self.next_period is not None:
                 self.period, self.next_period = self.next_period, None
+        return out
+
+    def exchange(self, out: Outgoing, allreduce_sum: AllReduceSum, allgather: AllGather | None = None) -> Incoming:
+        """The collective part: the sample-weighted mean pseudo-gradient over all ranks.
+        Reads no mutable state of this object, so it may run on a background thread
+        (one at a time, in `begin` order, on every rank)."""
+        t0 = time.perf_counter()
+        if out.delta is not None:
+            hi, lo = divmod(out.samples, _DIGIT)
+            summed, count = allreduce_sum([out.delta * np.float32(out.samples), np.array([hi, lo], np.float32)])
+            total = int(count[0]) * _DIGIT + int(count[1])
+            g = np.asarray(summed, np.float32) / np.float32(total) if total else np.zeros(out.size, np.float32)
+            nbytes = 4 * out.size + 8
+        else:
+            if allgather is None:
+                raise ValueError(f"dist.outer_wire={self.codec.name} needs an all-gather of byte buffers")
+            acc = np.zeros(out.size, np.float64)
+            total = 0
+            for p in allgather(out.payload):
+                s = int(np.asarray(p[:8]).view(np.int64)[0])
+                acc += s * self.codec.decode(np.asarray(p[8:]), out.size).astype(np.float64)
+                total += s
+            g = (acc / total).astype(np.float32) if total else np.zeros(out.size, np.float32)
+            nbytes = out.payload.size
+        return Incoming(g, total, nbytes, time.perf_counter() - t0)
+
+    def finish(self, out: Outgoing, inc: Incoming) -> list[np.ndarray]:
+        """Second half: one outer step on fragment k's anchors; returns its new weights."""
+        k = out.fragment
+        if inc.total:
+            offset = 0
+            for i in self.groups[k]:
+                n = self.anchors[i].size
+                self.anchors[i] = self.outer.step(i, self.anchors[i], inc.grad[offset: offset + n])
+                offset += n
+        self._pending.discard(k)
+        self.last = OuterStats(k, inc.seconds, inc.bytes, float(np.linalg.norm(inc.grad)), out.inner_steps,
+                               out.samples, inc.total)
         return self.anchor_weights(k)
+
+    def outer_step(self, k: int, local: Sequence[np.ndarray], allreduce_sum: AllReduceSum,
+                   allgather: AllGather | None = None) -> list[np.ndarray]:
+        """Sync fragment k, blocking: average the sample-weighted pseudo-gradients over all
+        ranks, take one outer step on the anchors, return the new weights of fragment k.
+
+        `local` holds this rank's current weights of `fragment_params(k)`, in that order.
+        Every rank must call this for the same fragment (a collective).
+        """
+        out = self.begin(k, local)
+        return self.finish(out, self.exchange(out, allreduce_sum, allgather))
 
     # Checkpoints. "global.*" is identical on every rank (anchors, momentum, fragment
     # cursor); "rank.*" is this rank's own (wire residuals, samples since the last sync,
     # position in the round). All values are numpy arrays, for a safetensors file.
 
     def state_dict(self) -> dict[str, np.ndarray]:
+        if self._pending:
+            raise RuntimeError(f"DiLoCo: checkpoint with fragment syncs in flight {sorted(self._pending)}; finish them first")
         out: dict[str, np.ndarray] = {f"global.anchor.{i}": a for i, a in enumerate(self.anchors)}
         out.update({f"global.{k}": v for k, v in self.outer.state_dict().items()})
         out["global.cursor"] = np.array([self.cursor, self.fragments], np.int64)
