@@ -17,6 +17,7 @@ import pytest
 from mlxdist.checkpoint import from_safetensors, to_safetensors
 from mlxdist.sync.diloco import DiLoCo, OuterOptimizer
 from mlxdist.sync.fragments import partition, plan_inner_steps
+from mlxdist.sync.overlap import OverlappedSync
 from mlxdist.sync.wire import BLOCK, BlockQuantCodec, bf16_bits, make_codec
 
 # A tiny tanh MLP regression: parameter sizes 48, 8, 16, 2.
@@ -500,3 +501,102 @@ def test_real_mpirun_ranks_match(tmp_path, batches, fragments, wire):
         sim = simulate(batches, fragments, rounds, [[period] * len(batches)] * rounds, wire)
         for i in range(n):
             assert np.array_equal(got[0][i], sim[0].dl.anchors[i])
+
+
+def reference_overlapped(batches, period, fragments, steps, delay, alpha):
+    """Streaming DiLoCo by hand: fragment k's pseudo-gradient is taken when the round
+    reaches (k+1)*H//F steps; its outer step lands `delay` steps later, and the local
+    weights become alpha*local + (1-alpha)*anchor (just the anchor when delay is 0)."""
+    n = len(batches)
+    groups = GROUPS[fragments]
+    anchors = [w.astype(np.float64) for w in init_weights()]
+    mom = [np.zeros(s) for s in SHAPES]
+    local = [[w.copy() for w in init_weights()] for _ in range(n)]
+    adams = [AdamW() for _ in range(n)]
+    samples = [[0] * fragments for _ in range(n)]
+    landing = {}
+    for t in range(1, steps + 1):
+        for r in range(n):
+            local[r] = inner_step(r, t - 1, batches[r], local[r], adams[r])
+            samples[r] = [s + batches[r] for s in samples[r]]
+        pos = (t - 1) % period + 1
+        for k in range(fragments):
+            if pos == (k + 1) * period // fragments:
+                total = sum(samples[r][k] for r in range(n))
+                g = {i: sum(samples[r][k] * (anchors[i] - local[r][i].astype(np.float64)) for r in range(n)) / total
+                     for i in groups[k]}
+                landing[t + delay] = (k, g)
+                for r in range(n):
+                    samples[r][k] = 0
+        if t in landing:
+            k, g = landing.pop(t)
+            for i in groups[k]:
+                mom[i] = MU * mom[i] + g[i]
+                anchors[i] = anchors[i] - LR * (g[i] + MU * mom[i])
+                for r in range(n):
+                    a = anchors[i].astype(np.float32)
+                    local[r][i] = a if delay == 0 else np.float32(alpha) * local[r][i] + np.float32(1 - alpha) * a
+    return anchors, local
+
+
+def run_overlapped(batches, period, fragments, steps, delay, alpha, wire="float32"):
+    cluster = Cluster(len(batches))
+    states = [RankState(make_dl(wire, fragments, period)) for _ in batches]
+    errors = []
+
+    def body(r):
+        s = states[r]
+        ov = None
+        try:
+            ov = OverlappedSync(s.dl, partial(cluster.allreduce_sum, r), partial(cluster.allgather, r),
+                                delay=delay, alpha=alpha)
+            while s.t < steps:
+                s.local = inner_step(r, s.t, batches[r], s.local, s.adam)
+                s.t += 1
+                ov.step()
+                for k in s.dl.advance(batches[r]):
+                    ov.submit(k, [s.local[i] for i in s.dl.fragment_params(k)])
+                for k, new in ov.ready(s.local):
+                    for i, w in zip(s.dl.fragment_params(k), new, strict=True):
+                        s.local[i] = w
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            errors.append(e)
+            cluster.barrier.abort()
+        finally:
+            if ov is not None:
+                ov.close()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(batches))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return states
+
+
+@pytest.mark.parametrize("delay", [1, 2, 5])
+def test_overlapped_fragments_equal_the_streaming_reference(delay):
+    batches, period, fragments, steps = [2, 3, 7], 6, 3, 6 * 4
+    states = run_overlapped(batches, period, fragments, steps, delay, 0.5)
+    anchors, local = reference_overlapped(batches, period, fragments, steps, delay, 0.5)
+    assert_same_anchors(states)
+    for i in range(len(SHAPES)):
+        np.testing.assert_allclose(states[0].dl.anchors[i], anchors[i].reshape(-1), rtol=1e-5, atol=1e-5)
+        for r, s in enumerate(states):
+            np.testing.assert_allclose(s.local[i], local[r][i], rtol=1e-5, atol=1e-5)
+    # The delay matters: the blocking reference ends elsewhere.
+    blocking, _ = reference_overlapped(batches, period, fragments, steps, 0, 0.5)
+    assert max(np.abs(a - b).max() for a, b in zip(anchors, blocking, strict=True)) > 1e-3
+
+
+def test_overlap_with_no_delay_is_the_blocking_sync():
+    batches, period, fragments = [3, 5], 6, 2
+    a = run_overlapped(batches, period, fragments, 18, 0, 0.5, "int8")
+    b = [RankState(make_dl("int8", fragments, period)) for _ in batches]
+    run_ranks(b, batches, Cluster(2), max_steps=18)
+    for x, y in zip(a, b, strict=True):
+        assert all(np.array_equal(p, q) for p, q in zip(x.dl.anchors + x.local, y.dl.anchors + y.local, strict=True))
+    with pytest.raises(ValueError, match="must be below dist.inner_steps=6"):
+        OverlappedSync(make_dl(fragments=2, period=6), None, delay=6)
