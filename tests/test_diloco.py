@@ -457,33 +457,45 @@ MPI_SCRIPT = """
 import json, sys
 import numpy as np
 from mlxdist.collective import make_collective
-from mlxdist.sync.outer_comm import allgather_from_comm, allreduce_from_collective
+from mlxdist.sync.outer_comm import allgather_from_comm, allreduce_from_collective, allreduce_from_comm
+from mlxdist.sync.overlap import OverlappedSync
 from mlxdist.world import init_world
-from tests.test_diloco import RankState, drive, make_dl
+from tests.test_diloco import RankState, drive, inner_step, make_dl
 
-wire, fragments, period, rounds, batches, out = json.loads(sys.argv[1])
+wire, fragments, period, rounds, batches, delay, out = json.loads(sys.argv[1])
 world = init_world()
+r, b = world.rank, batches[world.rank]
 s = RankState(make_dl(wire, fragments, period))
-drive(world.rank, s, batches[world.rank], allreduce_from_collective(make_collective(world, "mpi4py")),
-      allgather_from_comm(world.comm), rounds=rounds)
-np.savez(f"{out}/rank{world.rank}.npz", *s.dl.anchors, *s.local)
+if delay is None:
+    drive(r, s, b, allreduce_from_collective(make_collective(world, "mpi4py")), allgather_from_comm(world.comm),
+          rounds=rounds)
+else:  # background exchanges on their own communicator
+    comm = world.comm.Dup()
+    ov = OverlappedSync(s.dl, allreduce_from_comm(comm), allgather_from_comm(comm), delay=delay, alpha=0.5)
+    while s.t < rounds * period:
+        s.local = inner_step(r, s.t, b, s.local, s.adam)
+        s.t += 1
+        ov.step()
+        for k in s.dl.advance(b):
+            ov.submit(k, [s.local[i] for i in s.dl.fragment_params(k)])
+        for k, new in ov.ready(s.local):
+            for i, w in zip(s.dl.fragment_params(k), new):
+                s.local[i] = w
+    ov.close()
+np.savez(f"{out}/rank{r}.npz", *s.dl.anchors, *s.local)
 """
 
 
-@pytest.mark.parametrize("batches,fragments,wire", [([3, 5], 1, "float32"), ([2, 3, 7], 3, "float32"),
-                                                    ([2, 3, 7], 2, "int8")])
-def test_real_mpirun_ranks_match(tmp_path, batches, fragments, wire):
-    """The same loop on real mpirun ranks over the job's collectives (mpi4py transport)."""
+def _mpirun(tmp_path, batches, fragments, wire, period, rounds, delay=None):
     import json
     import subprocess
     import sys
 
     from tests.helpers import env, mpirun_path
 
-    period, rounds = 6, 3
     cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", str(len(batches)), "-x", "PYTHONPATH",
            "-x", "OPENBLAS_NUM_THREADS", sys.executable, "-c", MPI_SCRIPT,
-           json.dumps([wire, fragments, period, rounds, batches, str(tmp_path)])]
+           json.dumps([wire, fragments, period, rounds, batches, delay, str(tmp_path)])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert out.returncode == 0, out.stderr[-3000:]
     got = [np.load(tmp_path / f"rank{r}.npz") for r in range(len(batches))]
@@ -491,6 +503,15 @@ def test_real_mpirun_ranks_match(tmp_path, batches, fragments, wire):
     n = len(SHAPES)
     for g in got[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(got[0][:n], g[:n], strict=True))
+    return got
+
+
+@pytest.mark.parametrize("batches,fragments,wire", [([3, 5], 1, "float32"), ([2, 3, 7], 3, "float32"),
+                                                    ([2, 3, 7], 2, "int8")])
+def test_real_mpirun_ranks_match(tmp_path, batches, fragments, wire):
+    """The same loop on real mpirun ranks over the job's collectives (mpi4py transport)."""
+    period, rounds, n = 6, 3, len(SHAPES)
+    got = _mpirun(tmp_path, batches, fragments, wire, period, rounds)
     if wire == "float32":
         anchors, _, local, _, _ = reference(batches, [[period] * len(batches)] * rounds, fragments, rounds)
         for i in range(n):
@@ -501,6 +522,17 @@ def test_real_mpirun_ranks_match(tmp_path, batches, fragments, wire):
         sim = simulate(batches, fragments, rounds, [[period] * len(batches)] * rounds, wire)
         for i in range(n):
             assert np.array_equal(got[0][i], sim[0].dl.anchors[i])
+
+
+def test_real_mpirun_background_sync_matches_streaming_reference(tmp_path):
+    """Exchanges on a worker thread over a Dup'd communicator, under real MPI."""
+    batches, period, fragments, rounds, delay, n = [2, 3, 7], 6, 3, 4, 1, len(SHAPES)
+    got = _mpirun(tmp_path, batches, fragments, "float32", period, rounds, delay)
+    anchors, local = reference_overlapped(batches, period, fragments, period * rounds, delay, 0.5)
+    for i in range(n):
+        np.testing.assert_allclose(got[0][i], anchors[i].reshape(-1), rtol=1e-5, atol=1e-5)
+        for r in range(len(batches)):
+            np.testing.assert_allclose(got[r][n + i], local[r][i], rtol=1e-5, atol=1e-5)
 
 
 def reference_overlapped(batches, period, fragments, steps, delay, alpha):

@@ -25,6 +25,23 @@ def allreduce_from_collective(collective) -> AllReduceSum:
     return allreduce_sum
 
 
+def allreduce_from_comm(comm) -> AllReduceSum:
+    """Sums over an mpi4py communicator with the project's ring all-reduce: the same
+    bits on every rank, and no MLX, so it can run on a background thread (give it its
+    own `comm.Dup()` there, so its messages never meet the training loop's)."""
+    from ..collective import ring_allreduce
+
+    def allreduce_sum(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        srcs = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
+        if comm is None or comm.Get_size() == 1:
+            return [a.copy() for a in srcs]
+        outs = [np.empty_like(a) for a in srcs]
+        ring_allreduce(comm, srcs, outs)
+        return outs
+
+    return allreduce_sum
+
+
 def allgather_from_comm(comm) -> AllGather:
     """`comm` is an mpi4py communicator (World.comm), or None for a single process."""
 
