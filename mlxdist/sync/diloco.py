@@ -126,7 +126,7 @@ class DiLoCo:
         return self.groups[k]
 
     def fragment_bytes(self, k: int) -> int:
-        """Bytes this rank puts on the wire for fragment k (the fp32 path adds 8)."""
+        """Bytes this rank puts on the wire for fragment k (codec bytes + an 8-byte sample count)."""
         return self.codec.nbytes(sum(self.anchors[i].size for i in self.groups[k])) + 8
 
     def due(self) -> list[int]:
