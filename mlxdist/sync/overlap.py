@@ -16,7 +16,7 @@ MPI_THREAD_MULTIPLE by default).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -50,10 +50,12 @@ class OverlappedSync:
         """Count one finished inner step (call before `submit`/`ready` of that step)."""
         self.steps += 1
 
-    def ready(self, local: Sequence[np.ndarray], *, drain: bool = False) -> list[tuple[int, list[np.ndarray]]]:
+    def ready(self, fetch: Callable[[list[int]], Sequence[np.ndarray]] | None = None, *,
+              drain: bool = False) -> list[tuple[int, list[np.ndarray]]]:
         """Finished syncs whose landing step has come (all of them with `drain`): for each,
-        the fragment and its new local weights, given `local`, the model's current arrays
-        (all of them, in DiLoCo's parameter order)."""
+        the fragment and its new local weights. `fetch(indices)` returns the model's
+        current arrays at those parameter indices; it is called only when a sync lands
+        with a delay (to mix), so the model is not copied out every step."""
         done = []
         while self.pending and (drain or self.pending[0][0] <= self.steps):
             _, out, fut = self.pending.popleft()
@@ -62,9 +64,12 @@ class OverlappedSync:
             if self.delay == 0:
                 new = anchors
             else:
+                if fetch is None:
+                    raise ValueError("OverlappedSync.ready: a delayed sync landed; pass fetch to mix the weights")
                 a = np.float32(self.alpha)
-                new = [a * np.asarray(local[i], np.float32).reshape(w.shape) + (np.float32(1) - a) * w
-                       for i, w in zip(idx, anchors, strict=True)]
+                local = fetch(idx)
+                new = [a * np.asarray(x, np.float32).reshape(w.shape) + (np.float32(1) - a) * w
+                       for x, w in zip(local, anchors, strict=True)]
             done.append((out.fragment, new))
         return done
 
