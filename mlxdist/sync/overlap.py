@@ -1,0 +1,77 @@
+"""Fragment syncs in the background while inner steps go on (Streaming DiLoCo's overlap).
+
+A fragment's pseudo-gradient is encoded at step t, travels on one worker thread, and its
+outer step lands at step t + `delay` inner steps; meanwhile training continues on all
+weights. The fragment's local weights then become a mix of what they learned in the
+meantime and the new anchor: alpha * local + (1 - alpha) * anchor (Streaming DiLoCo's
+mixing factor; 0.5 there). With delay 0 the sync is the blocking one and the anchor
+replaces the local weights exactly.
+
+The worker runs exchanges one at a time in submission order, so every rank issues the
+same collectives in the same order; it needs its own communicator (mpi4py
+`comm.Dup()`) and an MPI library with thread support (mpi4py asks for
+MPI_THREAD_MULTIPLE by default).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from .diloco import AllGather, AllReduceSum, DiLoCo, Outgoing
+
+
+class OverlappedSync:
+    """Per inner step: `submit` the fragments `DiLoCo.advance` returned, then apply what
+    `ready` hands back. `drain` before a checkpoint or at the end."""
+
+    def __init__(self, dl: DiLoCo, allreduce_sum: AllReduceSum, allgather: AllGather | None = None, *,
+                 delay: int = 0, alpha: float = 0.5):
+        if delay < 0:
+            raise ValueError(f"overlap delay {delay}: must be >= 0 inner steps")
+        if delay >= dl.period:
+            raise ValueError(f"overlap delay {delay} must be below dist.inner_steps={dl.period}: "
+                             "a fragment's sync must land before its next one starts")
+        self.dl, self.allreduce_sum, self.allgather = dl, allreduce_sum, allgather
+        self.delay, self.alpha = delay, alpha
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="diloco-sync")
+        self.pending: deque[tuple[int, Outgoing, Future]] = deque()
+        self.steps = 0
+
+    def submit(self, k: int, local: Sequence[np.ndarray]) -> None:
+        out = self.dl.begin(k, local)
+        fut = self.pool.submit(self.dl.exchange, out, self.allreduce_sum, self.allgather)
+        self.pending.append((self.steps + self.delay, out, fut))
+
+    def step(self) -> None:
+        """Count one finished inner step (call before `submit`/`ready` of that step)."""
+        self.steps += 1
+
+    def ready(self, fetch: Callable[[list[int]], Sequence[np.ndarray]] | None = None, *,
+              drain: bool = False) -> list[tuple[int, list[np.ndarray]]]:
+        """Finished syncs whose landing step has come (all of them with `drain`): for each,
+        the fragment and its new local weights. `fetch(indices)` returns the model's
+        current arrays at those parameter indices; it is called only when a sync lands
+        with a delay (to mix), so the model is not copied out every step."""
+        done = []
+        while self.pending and (drain or self.pending[0][0] <= self.steps):
+            _, out, fut = self.pending.popleft()
+            anchors = self.dl.finish(out, fut.result())
+            idx = self.dl.fragment_params(out.fragment)
+            if self.delay == 0:
+                new = anchors
+            else:
+                if fetch is None:
+                    raise ValueError("OverlappedSync.ready: a delayed sync landed; pass fetch to mix the weights")
+                a = np.float32(self.alpha)
+                local = fetch(idx)
+                new = [a * np.asarray(x, np.float32).reshape(w.shape) + (np.float32(1) - a) * w
+                       for x, w in zip(local, anchors, strict=True)]
+            done.append((out.fragment, new))
+        return done
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
