@@ -107,7 +107,8 @@ class CheckpointMeta:
     engine: str = "mlx"
     config: dict = field(default_factory=dict)
     global_batch: int | None = None
-    base_fingerprint: str | None = None
+    base_fingerprint: str | None = None  # of a pretrained base (LoRA checkpoints hold no base weights)
+    base_files: dict = field(default_factory=dict)  # its weight files' digests, to name the one that differs
 
     def to_dict(self) -> dict[str, Any]:
         flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "run"}

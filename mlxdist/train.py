@@ -28,8 +28,10 @@ from .engine.base import Engine, StepStats
 from .evaluation import Evaluator
 from .events import EventLog, Progress
 from .faults import Faults
+from .markers import announce_complete
 from .memory import MemoryReading
 from .metrics import Metrics
+from .models.build import inspect_base
 from .reporting import Log, Reporter
 from .world import World, resolve_backend
 
@@ -106,15 +108,17 @@ class Trainer:
             if w.is_main:
                 self.report.say(f"config: {warning}")
 
-        train_set, eval_set = build_datasets(cfg.data, cfg.train.seed, cfg.model.vocab_size)
+        self.hosts = w.allgather(w.host)
+        base = inspect_base(cfg)
+        train_set, eval_set = self._datasets(base)
         self.engine: Engine = make_engine(engine_name, cfg, w, device)
+        self._check_same_base()
         self.evaluator = Evaluator(eval_set, cfg.train, w)
         self.feed = StepFeed(BatchMaker(train_set, GlobalSampler(len(train_set), cfg.train.seed), w.rank),
                              cfg.data.prefetch)
 
         node = cfg.node_for(w.host, w.rank)
         my_micro = node.batch_size if cfg.nodes else cfg.train.batch_size
-        self.hosts = w.allgather(w.host)
         self.plan = StepPlan.initial(w.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
         self.ctl = Controllers.build(cfg, self.plan, my_micro, node.memory_target, w.size)
         self.state = ckpt.RunState()
@@ -300,7 +304,8 @@ class Trainer:
             meta = ckpt.CheckpointMeta(
                 run=self.state, optimizer_step=opt_step, controllers=self.ctl.state_dict(batch_states, self.plan),
                 world_size=self.world.size, hosts=self.hosts, engine=self.engine.name, config=self.cfg.to_dict(),
-                global_batch=self.plan.global_batch)
+                global_batch=self.plan.global_batch, base_fingerprint=self.engine.base_fingerprint,
+                base_files=dict(self.engine.base.files) if self.engine.base else {})
             path, seconds = self.checkpoints.save(self.state.step, self.engine.get_weights(), opt, meta)
             self.report.emit("checkpoint", f"checkpoint: {path} ({seconds:.2f}s)", step=self.state.step,
                              path=str(path), seconds=seconds)
@@ -314,6 +319,7 @@ class Trainer:
         meta = None
         if self.world.is_main and loaded is not None:
             meta = loaded.meta
+            self._check_checkpoint_base(loaded.path, meta)
             self.engine.set_weights(loaded.weights)
             self.engine.set_optimizer_state(loaded.optimizer, meta.optimizer_step)
             self.report.say(f"resumed from {loaded.path} (step {meta.run.step}, saved by {meta.world_size} rank(s))")
@@ -329,8 +335,25 @@ class Trainer:
                                  rolling_back=rolling_back)
         self.engine.broadcast_state(0)
 
+    def _check_checkpoint_base(self, path: Path, meta: ckpt.CheckpointMeta) -> None:
+        mine = self.engine.base_fingerprint
+        if meta.base_fingerprint == mine:
+            return
+        if mine is None or meta.base_fingerprint is None:
+            raise ConfigError(f"checkpoint {path}: trained on {'no' if meta.base_fingerprint is None else 'a'} "
+                              f"pretrained base, but model.path is {self.cfg.model.path or 'unset'}")
+        ours = dict(self.engine.base.files)
+        differ = sorted(f for f in set(ours) | set(meta.base_files) if ours.get(f) != meta.base_files.get(f))
+        raise ConfigError(f"checkpoint {path}: its base differs from model.path {self.cfg.model.path}"
+                          + (f" in {', '.join(differ)}" if differ else "") + "; resume with the base it was trained on")
+
     def finish(self, stats: StepStats | None) -> None:
         s = self.state
+        if self.world.is_main:
+            adapter = self.engine.save_adapter(self.run_dir / "adapter")
+            if adapter is not None:
+                self.report.say(f"adapter: {adapter} (PEFT layout; `python -m mlxdist.generate --checkpoint "
+                                f"{self.cfg.model.path} --adapter {adapter}`)")
         if self.stop_reason == "signal":
             self.report.say(f"stopped by signal after step {s.step}; continue with --resume auto")
         elif self.stop_reason:
@@ -340,8 +363,33 @@ class Trainer:
         self.report.progress.close()
         self.report.emit("end", step=s.step, reason=self.stop_reason or "completed")
         self.report.close()
+        if self.world.is_main:  # last line: launch/mlxrun exits 0 only after it
+            announce_complete(s.step, self.stop_reason or "completed")
 
     # ------------------------------------------------------------------ helpers
+    def _datasets(self, base):
+        data = self.cfg.data
+        if data.source != "jsonl":
+            return build_datasets(data, self.cfg.train.seed, self.cfg.model.vocab_size)
+        if base is None:
+            raise ConfigError("data.source=jsonl: tokenizing needs the model's tokenizer; set model.path")
+        from .data.hf_tokenizer import load_tokenizer
+        from .data.instruct import build_jsonl_datasets
+
+        train_set, eval_set = build_jsonl_datasets(data, self.cfg.train.seed, load_tokenizer(base.path))
+        if self.world.is_main:
+            self.report.say(train_set.stats.summary("train") + "; " + eval_set.stats.summary("eval"))
+        return train_set, eval_set
+
+    def _check_same_base(self) -> None:
+        """Every rank must fine-tune the very same base: a host with another snapshot of the
+        model would train something else under the same name."""
+        prints = self.world.allgather(self.engine.base_fingerprint)
+        odd = [f"rank {r} ({self.hosts[r]})" for r, f in enumerate(prints) if f != prints[0]]
+        if odd:
+            raise ConfigError(f"model.path {self.cfg.model.path}: the base weights on {', '.join(odd)} differ from "
+                              f"rank 0's ({self.world.host}); copy the same model directory to every host")
+
     def _shrink_after_oom(self, error: BaseException, batches: list[TokenBatch]) -> list[TokenBatch]:
         self.engine.discard_gradients()
         self.engine.clear_cache()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -76,6 +77,9 @@ class Engine(Protocol):
 
     def weight_checksum(self) -> int:
         """Bit-exact fingerprint of this rank's weights (equal on all ranks iff they agree)."""
+
+    def save_adapter(self, out_dir: Path) -> Path | None:
+        """A fine-tune's adapter in PEFT's layout; None when the whole model trained."""
 
     # -- machine -------------------------------------------------------------------
     def memory(self) -> MemoryReading:

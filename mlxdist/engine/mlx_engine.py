@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,7 +42,7 @@ class MLXEngine:
         self.device = str(mx.default_device())
         self.compute_dtype = DTYPES[cfg.model.dtype]
         self.model = built.module
-        self.model_summary, self.base_fingerprint = built.summary, built.fingerprint
+        self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.names = sorted(built.params)
         self.params: dict[str, mx.array] = {k: v.astype(mx.float32) for k, v in built.params.items()}
         self.m = {k: mx.zeros_like(v) for k, v in self.params.items()}
@@ -180,6 +181,15 @@ class MLXEngine:
 
     def weight_checksum(self) -> int:
         return checksum(np.array(self.params[n]) for n in self.names)
+
+    def save_adapter(self, out_dir: Path) -> Path | None:
+        """The trained adapter in PEFT's layout (None when the whole model trained)."""
+        if self.cfg.finetune.method == "full":
+            return None
+        from ..models.adapters import BaseInfo, save_peft
+
+        base = BaseInfo(self.base.path, len(self.model.layers), self.base_fingerprint)
+        return save_peft(self.get_weights(), base, self.cfg.finetune, out_dir)
 
     # -- machine ----------------------------------------------------------------------
     def memory(self) -> MemoryReading:

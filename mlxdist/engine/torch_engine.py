@@ -22,6 +22,7 @@ import contextlib
 import os
 import platform
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -167,7 +168,7 @@ class TorchEngine:
 
         built = build_torch(cfg, self.dev, args)
         self.model = built.module
-        self.model_summary, self.base_fingerprint = built.summary, built.fingerprint
+        self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.model.train()
         self._names = sorted(built.params)
         self._params = [built.params[n] for n in self._names]
@@ -265,6 +266,14 @@ class TorchEngine:
         with torch.no_grad():
             for name, p in zip(self._names, self._params, strict=True):
                 p.copy_(torch.from_numpy(np.asarray(weights[name], dtype=np.float32)))
+
+    def save_adapter(self, out_dir: Path) -> Path | None:
+        """The trained adapter in PEFT's own layout (None when the whole model trained)."""
+        peft_model = getattr(self.model, "peft", None)
+        if peft_model is None:
+            return None
+        peft_model.save_pretrained(str(out_dir))
+        return Path(out_dir)
 
     def broadcast_state(self, root: int = 0) -> None:
         """Single-node engine: one rank already holds the whole state."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Config
+from ..config import Config, ConfigError
 from .presets import ModelArgs, human, param_count, resolve
 
 
@@ -22,6 +22,36 @@ class BuiltModel:
     vocab_size: int
     summary: str  # one banner line
     fingerprint: str | None = None  # of a pretrained base; every rank must train the same one
+    base: Any = None  # models.pretrained.PretrainedInfo of that base
+
+
+def inspect_base(cfg: Config):
+    """The pretrained base's facts (None for a preset), read before any framework loads:
+    its vocabulary replaces `model.vocab_size`, so data checks compare against the real one."""
+    if not cfg.model.path:
+        if cfg.finetune.method != "full":
+            raise ConfigError(f"finetune.method={cfg.finetune.method}: adapters need a pretrained base; "
+                              "set model.path to a Hugging Face directory or a .gguf file")
+        if cfg.model.quantize:
+            raise ConfigError("model.quantize: quantizes a pretrained base; set model.path too")
+        return None
+    from .pretrained import PretrainedError, inspect
+
+    try:
+        info = inspect(cfg.model.path)
+    except PretrainedError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.model.quantize and cfg.finetune.method == "full":
+        raise ConfigError("model.quantize: a quantized base cannot be trained in full; "
+                          "set finetune.method=lora (QLoRA) or drop model.quantize")
+    cfg.model.vocab_size = info.vocab_size
+    return info
+
+
+def _pretrained_summary(info, n_total: int, lora_banner: str | None) -> str:
+    what = f"model: {info.model_type} from {info.path}" + (f" ({info.quantized_bits}-bit base)"
+                                                         if info.quantized_bits else "")
+    return f"{what}, {human(n_total)} parameters" + (f"; {lora_banner}" if lora_banner else ", all trained")
 
 
 def _preset_summary(cfg: Config, a: ModelArgs) -> tuple[str, int]:
@@ -34,9 +64,39 @@ def build_mlx(cfg: Config, args: ModelArgs | None = None) -> BuiltModel:
     """`args` overrides the preset's shape (tests build odd sizes)."""
     from .mlx_model import Transformer, init_params
 
+    if cfg.model.path:
+        return _pretrained_mlx(cfg)
     a = args or resolve(cfg.model)
     summary, n = _preset_summary(cfg, a)
     return BuiltModel(Transformer(a), init_params(a, cfg.train.seed), n, a.vocab_size, summary)
+
+
+def _pretrained_mlx(cfg: Config) -> BuiltModel:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .pretrained import PretrainedError, load_mlx
+
+    try:
+        model, info = load_mlx(cfg.model.path, cfg.model.quantize)
+    except PretrainedError as e:
+        raise ConfigError(str(e)) from None
+    banner = None
+    n_total = info.n_params
+    if cfg.finetune.method != "full":
+        from .lora import apply_lora
+
+        mx.random.seed(cfg.train.seed)  # every rank starts from the same adapters
+        lora = apply_lora(model, cfg.finetune)
+        banner, n_total = lora.banner(), lora.n_total
+    if cfg.model.grad_checkpoint_every:
+        from mlx_lm.tuner.trainer import grad_checkpoint
+
+        grad_checkpoint(model.layers[0])  # mlx-lm's: recompute every layer in the backward pass
+    model.train()
+    params = dict(tree_flatten(model.trainable_parameters()))
+    return BuiltModel(model, params, n_total, info.vocab_size, _pretrained_summary(info, n_total, banner),
+                      info.fingerprint, info)
 
 
 def build_torch(cfg: Config, device: Any, args: ModelArgs | None = None) -> BuiltModel:
@@ -45,6 +105,8 @@ def build_torch(cfg: Config, device: Any, args: ModelArgs | None = None) -> Buil
     from .init import initial_weights
     from .torch_model import Transformer
 
+    if cfg.model.path:
+        return _pretrained_torch(cfg, device)
     a = args or resolve(cfg.model)
     summary, n = _preset_summary(cfg, a)
     module = Transformer(a).to(device)
@@ -53,3 +115,31 @@ def build_torch(cfg: Config, device: Any, args: ModelArgs | None = None) -> Buil
         for name, p in module.named_parameters():
             p.copy_(torch.from_numpy(weights[name]))
     return BuiltModel(module, dict(module.named_parameters()), n, a.vocab_size, summary)
+
+
+def _pretrained_torch(cfg: Config, device: Any) -> BuiltModel:
+    import torch
+
+    from .pretrained import PretrainedError, load_torch
+
+    if cfg.model.quantize:
+        raise ConfigError("model.quantize: quantized bases are an MLX-engine feature; drop it for --engine torch")
+    try:
+        module, info = load_torch(cfg.model.path, str(device))
+    except PretrainedError as e:
+        raise ConfigError(str(e)) from None
+    banner = None
+    n_total = info.n_params
+    params = dict(module.named_parameters())
+    if cfg.finetune.method != "full":
+        from .lora_torch import apply_lora_torch, to_ours
+
+        torch.manual_seed(cfg.train.seed)
+        peft_model, lora = apply_lora_torch(module.hf, cfg.finetune)  # injects adapters in place
+        object.__setattr__(module, "peft", peft_model)  # not a child: names stay the HF ones
+        params = {to_ours(n): p for n, p in peft_model.named_parameters() if p.requires_grad}
+        banner, n_total = lora.banner(), lora.n_total
+    if cfg.model.grad_checkpoint_every:
+        module.hf.gradient_checkpointing_enable()
+    return BuiltModel(module, params, n_total, info.vocab_size, _pretrained_summary(info, n_total, banner),
+                      info.fingerprint, info)
