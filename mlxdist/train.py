@@ -25,6 +25,7 @@ from .data import GlobalSampler, Prefetcher, build_datasets
 from .engine import make_engine
 from .events import EventLog, Progress
 from .faults import Faults
+from .markers import announce_complete
 from .memory import memory_reading, reset_peak
 from .metrics import Metrics
 from .models.presets import human, param_count, resolve
@@ -406,6 +407,9 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         log(f"done: step {state.step}, last loss {stats.loss:.4f}" if stats else f"done: step {state.step}")
     events.write("end", step=state.step, reason=stop_reason or "completed")
     events.close()
+    # launch: rank 0's completion record, its last line (mlxdist/markers.py; launch/mlxrun exits 0 only after it)
+    if world.is_main:
+        announce_complete(state.step, stop_reason or "completed")
     return 0
 
 
