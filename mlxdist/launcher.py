@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             launch = plan_simcluster(args.simcluster, args.hosts, args.iface)
         else:
             launch = plan_hostfile(args.hostfile, args.ssh_agent, args.iface)
-        where = args.hostfile or f"--simcluster {args.simcluster}"
+        where = f"hostfile {args.hostfile}" if args.hostfile else f"--simcluster {args.simcluster}"
         if not args.no_check:
             remote = launch.remote() if launch.ssh_agent else None
             for h in launch.hosts:

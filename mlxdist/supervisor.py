@@ -163,7 +163,7 @@ class Supervisor:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=2)
+            self.proc.wait(timeout=1)
         # mpirun waits on a daemon it cannot reach and ignores SIGTERM while it does; its
         # session holds the local ssh (or stand-in) processes too.
         with contextlib.suppress(OSError):

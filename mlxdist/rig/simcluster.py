@@ -478,8 +478,9 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         for f in (self.hostfile, self.ssh_agent, self.hosts_file, self.state_file, *subsets):
             with contextlib.suppress(OSError):
                 f.unlink()
-        if _pointer(self.name).is_file() and _pointer(self.name).read_text().strip() == str(self.state_dir):
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):
+            target = Path(_pointer(self.name).read_text().strip())
+            if target == self.state_dir or not (target / "state.json").is_file():
                 _pointer(self.name).unlink()
         self._is_up = False
 
@@ -790,10 +791,10 @@ def find_cluster(name_or_dir: str) -> SimCluster:
 # ----- CLI ------------------------------------------------------------------------
 
 def _cli_cluster(args: argparse.Namespace) -> SimCluster:
-    state_dir = Path(args.state_dir) if args.state_dir else DEFAULT_STATE_ROOT / args.name
-    if not (state_dir / "state.json").exists():
-        raise SystemExit(f"no cluster state in {state_dir}; run `simcluster up` first")
-    return SimCluster.load(state_dir)
+    try:
+        return find_cluster(args.state_dir or args.name)
+    except LookupError as e:
+        raise SystemExit(str(e)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -856,11 +857,10 @@ def _cli_run(args: argparse.Namespace) -> int:
         print(f"example: {c.example_command()}")
         return 0
     if args.cmd == "down":
-        state_dir = args.state_dir or DEFAULT_STATE_ROOT / args.name
         try:
-            c = SimCluster.load(state_dir)
-        except (OSError, ValueError, KeyError):
-            c = SimCluster(0, name=args.name, state_dir=state_dir)
+            c = find_cluster(args.state_dir or args.name)
+        except (LookupError, OSError, ValueError, KeyError):
+            c = SimCluster(0, name=args.name, state_dir=args.state_dir or DEFAULT_STATE_ROOT / args.name)
         c.down()
         return 0
     c = _cli_cluster(args)
