@@ -52,9 +52,3 @@ def mpirun_command(program: Sequence[str], *, hostfile: str | os.PathLike[str] |
         cmd += ["-np", str(np)]
     return [*cmd, *program]
 
-
-def local_command(program: Sequence[str], np: int, env: Sequence[str] = ()) -> list[str]:
-    """Several ranks on this machine (tests, benchmarks): oversubscribed, same flags otherwise."""
-    cmd = mpirun_command([], np=None, env=env)
-    return [*cmd, "--oversubscribe", "-np", str(np), *program]
-

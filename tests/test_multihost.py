@@ -392,3 +392,16 @@ def test_resume_on_a_subset_of_hosts(cluster3: SimCluster, tmp_path: Path) -> No
     steps = [json.loads(ln) for ln in (tmp_path / "logs" / "rank0.jsonl").read_text().splitlines()]
     assert [e["step"] for e in steps if e["event"] == "step"] == [1, 2, 3, 4, 5]
     assert [e["shares"] for e in steps if e["event"] == "step"][-1] == [4, 4]
+
+
+def test_mlxrun_hostfile_reaches_namespace_hosts(cluster3: SimCluster, tmp_path: Path) -> None:
+    res = subprocess.run([*MLXRUN, "--hostfile", str(cluster3.hostfile), "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "using its ssh stand-in" in res.stderr and f"plm_ssh_agent {cluster3.ssh_agent}" in res.stdout
+    stray = tmp_path / "hosts"
+    stray.write_text(f"{cluster3.ip(1)} slots=1\n10.79.0.9 slots=1\n")
+    res = subprocess.run([*MLXRUN, "--hostfile", str(stray), "--ssh-agent", str(cluster3.ssh_agent), "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and f"hostfile {stray}: host '10.79.0.9' cannot run commands" in res.stderr, \
+        res.stderr
