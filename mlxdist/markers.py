@@ -59,12 +59,15 @@ def announce_complete(step: int, reason: str) -> None:
         print(complete_line(step, reason), flush=True)
 
 
+_READY_RE = re.compile(re.escape(READY) + r" rank (\d+)")
 _ABORT_RE = re.compile(re.escape(ABORT) + r" (\w+)\)")
 _COMPLETE_RE = re.compile(re.escape(COMPLETE) + r" step (\d+) reason (\S+)")
 
 
-def is_ready(line: str) -> bool:
-    return line.startswith(READY)
+def parse_ready(line: str) -> int | None:
+    """The rank of a ready line, or None (also for two ranks' output run together)."""
+    m = _READY_RE.fullmatch(line.strip())
+    return int(m.group(1)) if m else None
 
 
 def parse_abort(line: str) -> str | None:

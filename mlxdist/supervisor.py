@@ -93,9 +93,10 @@ class Supervisor:
 
     def _pump(self, src: TextIO, dst: TextIO) -> None:
         for line in src:
-            if markers.is_ready(line):
+            rank = markers.parse_ready(line)
+            if rank is not None:
                 with self._lock:
-                    self.ready.add(int(line.split()[-1]))
+                    self.ready.add(rank)
                 self._maybe_send_stop()
                 continue
             done = markers.parse_complete(line)

@@ -10,9 +10,9 @@ from mlxdist.markers import (
     Exit,
     abort_line,
     complete_line,
-    is_ready,
-    parse_abort,
+        parse_abort,
     parse_complete,
+    parse_ready,
     ready_line,
 )
 from mlxdist.mpirun import mpirun_command
@@ -83,7 +83,7 @@ def test_markers_round_trip():
     assert parse_complete("x " + complete_line(12, "early stopping")) == (12, "early stopping")
     assert parse_abort(abort_line("rank 1 (h)", "stalled 3s in x", "stalled")) == "stalled"
     assert parse_abort("mlxdist: rank 1 (h): stalled 3s in x") is None
-    assert is_ready(ready_line(3)) and not is_ready("ready")
+    assert parse_ready(ready_line(3)) == 3 and parse_ready(ready_line(3) + ready_line(4)) is None
 
 
 def test_one_mpirun_builder(tmp_path, monkeypatch):
