@@ -283,13 +283,13 @@ def _ends(out: Path, n: int) -> list[dict]:
     return ends
 
 
-def _assert_saved_stop(out: Path, n: int) -> None:
+def _assert_saved_stop(out: Path, n: int, first: int = 3) -> None:
     ends = _ends(out, n)
     assert len(ends) == n and {e["reason"] for e in ends} == {"signal"}, ends
     steps = {e["step"] for e in ends}
     assert len(steps) == 1, f"ranks stopped at different steps: {ends}"
     step = steps.pop()
-    assert step >= 3 and (out / "checkpoints" / f"step_{step:08d}" / "manifest.json").is_file()
+    assert step >= first and (out / "checkpoints" / f"step_{step:08d}" / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("host", [2, 3])
@@ -339,6 +339,19 @@ def test_ctrl_c_to_mlxrun_saves_at_one_step(cluster3: SimCluster, tmp_path: Path
     assert "continue with --resume auto" in job.out
     _assert_saved_stop(tmp_path, 3)
     assert _leftovers(cluster3) == {}
+
+
+def test_ctrl_c_while_ranks_start_is_held_until_they_can_save(cluster3: SimCluster, tmp_path: Path) -> None:
+    job = _mlxrun_job(cluster3, tmp_path)
+    try:
+        assert job.wait_for("mlxdist_job=", 30)  # mlxrun printed the command: ranks are starting
+        job.proc.send_signal(signal.SIGINT)
+        code = job.wait(60)
+    finally:
+        job.kill()
+    assert code == 0, f"exit {code}:\n{job.out[-3000:]}"
+    assert "ranks ready; passing the stop on when all are" in job.out
+    _assert_saved_stop(tmp_path, 3, first=1)
 
 
 def test_sigusr1_to_plain_mpirun_saves_at_one_step(cluster3: SimCluster, tmp_path: Path) -> None:
