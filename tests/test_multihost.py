@@ -319,6 +319,10 @@ def test_cut_link_ends_in_stall_time_and_leaves_nothing(cluster3: SimCluster, tm
     finally:
         cluster3.heal(3)
         job.kill()
+        # The next test needs the cable really back (a fresh bridge port takes a moment).
+        deadline = time.monotonic() + 20
+        while not cluster3.reachable(3, 1) and time.monotonic() < deadline:
+            time.sleep(0.5)
     out = job.out
     assert code == 3, f"exit {code} after {took:.0f}s:\n{out[-3000:]}"
     # Watchdog (stall timeout + its 1 s tick), mpirun's grace (3 s + 1 s), cleanup.
