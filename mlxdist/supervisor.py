@@ -223,7 +223,7 @@ class Supervisor:
             return Outcome(Exit.STALLED, f"job failed: {self.abort[1]}", leftovers)
         if self.abort:
             return Outcome(Exit.FAILED, f"job failed: {self.abort[1]}", leftovers)
-        if self.stops:
+        if self.stops and not self.stop_sent:
             return Outcome(Exit.KILLED, "job ended while the ranks were starting; nothing was saved", leftovers)
         if rc == Exit.USAGE:
             return Outcome(Exit.USAGE, "job failed: the ranks rejected the configuration (see the error above)",

@@ -1,8 +1,10 @@
 """Training across real namespace hosts: each backend end to end, unequal per-host
 batches equal to one process, and the two failures users fear most (a host dies, a
-cable is pulled) ending the job with a message instead of a hang.
+cable is pulled) ending the job with a message instead of a hang. Then, on three hosts,
+how a job under launch/mlxrun ends: the exit code for a lost host or a stall, nothing left
+running afterwards, Ctrl-C as a saved stop, and a resume on the hosts that are left.
 
-Needs root (network namespaces); skips with the reason otherwise. Subnet 10.77.21.
+Needs root (network namespaces); skips with the reason otherwise. Subnets 10.77.21, 10.79.0.
 """
 
 from __future__ import annotations
@@ -325,8 +327,9 @@ def test_cut_link_ends_in_stall_time_and_leaves_nothing(cluster3: SimCluster, tm
             time.sleep(0.5)
     out = job.out
     assert code == 3, f"exit {code} after {took:.0f}s:\n{out[-3000:]}"
-    # Watchdog (stall timeout + its 1 s tick), mpirun's grace (3 s + 1 s), cleanup.
-    assert took < STALL_S + 12, f"took {took:.1f}s"
+    # Watchdog (stall timeout + its 1 s tick), mpirun's grace (3 s + 1 s), cleanup: ~STALL_S + 6 s
+    # unloaded; the bound leaves room for a busy machine. Before: only once the link healed.
+    assert took < STALL_S + 20, f"took {took:.1f}s"
     assert re.search(r"stalled \d+s in [a-z -]+", out)
     assert left == {}, f"left running with the link still cut: {left}"
 
