@@ -123,3 +123,20 @@ def test_mlxrun_rehearses_on_a_simulated_cluster(tmp_path):
     assert "on mlxlt1, mlxlt2" in r.stderr and (tmp_path / "checkpoints" / "step_00000002").is_dir()
     r = _mlxrun("--simcluster", "nosuchcluster", "--dry-run")
     assert r.returncode == 2 and "launch/simcluster up" in r.stderr
+
+
+def test_cleanup_kills_the_jobs_leftovers_and_nothing_else():
+    from mlxdist.supervisor import Remote, cleanup_script, leftover_pattern
+
+    sleeper = [sys.executable, "-X", "mlxdist_job={}", "-c", "import time; time.sleep(60)"]
+    mine, other = (subprocess.Popen([a.format(t) for a in sleeper]) for t in ("c0ffee01", "c0ffee02"))
+    try:
+        script = cleanup_script(leftover_pattern("c0ffee01", 999999, "nohost"))
+        r = subprocess.run(Remote(local_names=frozenset({"localhost"})).command("localhost", script),
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and r.stdout.split() == ["leftovers:", "1"], r.stdout + r.stderr
+        assert mine.wait(timeout=10) == -9 and other.poll() is None
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()
