@@ -4,23 +4,24 @@ The flags that matter for a Mac cluster are easy to get wrong by hand: TCP only 
 memory transport across machines), the interface to use, several TCP links per peer for
 Thunderbolt bandwidth, no CPU binding (MLX wants the whole machine), and the environment
 every rank needs. Hosts are checked first, so a typo or a sleeping MacBook is reported by
-name instead of as an mpirun hang.
+name instead of as an mpirun hang. The job then runs under `supervisor.Supervisor`, which
+turns Ctrl-C into a saved stop and reports how the job ended as an exit code.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import secrets
 import shlex
-import signal
 import socket
 import subprocess
 import sys
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .world import find_mpirun
+from .markers import SUPERVISED_ENV, Exit
+from .mpirun import mpirun_command
+from .supervisor import Remote, supervise
 
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.gethostname().split(".")[0]}
 
@@ -58,8 +59,22 @@ def read_hostfile(path: str | Path) -> list[HostEntry]:
     return hosts
 
 
-def check_host(name: str, port: int = 22, timeout: float = 3.0) -> str | None:
-    """None if `name` resolves and (for remote hosts) accepts connections on the ssh port."""
+def check_host(name: str, remote: Remote | None = None, port: int = 22, timeout: float = 5.0) -> str | None:
+    """None if `name` can take part; otherwise what is wrong with it, in words.
+
+    With a `remote` (an ssh stand-in such as the namespace rig's), the host is asked to
+    run `true` through it, the same path mpirun's daemons take; otherwise the name must
+    resolve and (for a remote host) accept connections on the ssh port."""
+    if remote is not None:
+        try:
+            r = subprocess.run(remote.command(name, "true"), capture_output=True, text=True, timeout=timeout + 5,
+                               stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return f"host '{name}' does not answer through {remote.prefix[0]} within {timeout + 5:.0f}s"
+        if r.returncode != 0:
+            why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+            return f"host '{name}' cannot run commands through {remote.prefix[0]} ({why})"
+        return None
     try:
         addr = socket.gethostbyname(name)
     except OSError:
@@ -74,142 +89,122 @@ def check_host(name: str, port: int = 22, timeout: float = 3.0) -> str | None:
                 "is it awake, on the network, with Remote Login enabled?")
 
 
-def build_command(hosts_path: str, hosts: list[HostEntry], train_args: list[str], *, iface: str | None,
-                  tcp_links: int, python: str, extra_env: list[str]) -> list[str]:
-    cmd = [find_mpirun(python), "--hostfile", hosts_path, "-np", str(sum(h.slots for h in hosts)), "--bind-to", "none",
-           "--mca", "btl", "tcp,self", "--mca", "btl_tcp_links", str(tcp_links)]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    if iface:
-        cmd += ["--mca", "btl_tcp_if_include", iface, "--prtemca", "oob_tcp_if_include", iface]
-    env_names = ["PATH", "PYTHONPATH", "LD_PRELOAD", "OPENBLAS_NUM_THREADS", *extra_env]
-    cmd += ["-x", "MLX_MPI_LIBNAME=libmpi.so.40"]
-    for name in env_names:
-        if "=" in name or name in os.environ:
-            cmd += ["-x", name]
-    return [*cmd, python, "-m", "mlxdist.train", *train_args]
+@dataclass
+class Launch:
+    """Everything needed to start, supervise and clean up one job."""
+
+    hostfile: Path
+    hosts: list[HostEntry]
+    ssh_agent: Path | None = None
+    network: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_ranks(self) -> int:
+        return sum(h.slots for h in self.hosts)
+
+    def remote(self) -> Remote:
+        prefix = (str(self.ssh_agent),) if self.ssh_agent else Remote.prefix
+        return Remote(prefix=prefix, local_names=frozenset() if self.ssh_agent else frozenset(LOCAL_NAMES))
+
+    def command(self, train_args: list[str], *, python: str, tcp_links: int, env: list[str], tag: str) -> list[str]:
+        # `-X mlxdist_job=TAG` is inert for Python and names the job's ranks in `ps` on every
+        # host, so the supervisor (or a user) can find what a failed job left behind.
+        program = [python, "-X", f"mlxdist_job={tag}", "-m", "mlxdist.train", *train_args]
+        return mpirun_command(program, hostfile=self.hostfile, np=self.n_ranks, ssh_agent=self.ssh_agent,
+                              network=self.network, tcp_links=tcp_links, env=[*env, f"{SUPERVISED_ENV}=1"],
+                              mpirun=_mpirun_beside(python))
+
+
+def _mpirun_beside(python: str) -> str:
+    from .world import find_mpirun
+
+    return find_mpirun(python)
+
+
+def plan_hostfile(path: str, ssh_agent: str | None, iface: str | None) -> Launch:
+    """A user's hostfile; one that `launch/simcluster` wrote brings its stand-in and subnet."""
+    hostfile = Path(path)
+    hosts = read_hostfile(hostfile)
+    launch = Launch(hostfile, hosts, Path(ssh_agent) if ssh_agent else None, iface)
+    if ssh_agent is None and (hostfile.parent / "state.json").is_file() and (hostfile.parent / "ssh-agent").is_file():
+        from .rig.simcluster import SimCluster
+
+        cluster = SimCluster.load(hostfile.parent)
+        launch.ssh_agent, launch.network = cluster.ssh_agent, iface or cluster.cidr
+        launch.notes.append(f"{hostfile} belongs to simulated cluster '{cluster.name}': using its ssh stand-in")
+    if launch.ssh_agent is not None and not launch.ssh_agent.is_file():
+        raise LaunchError(f"ssh agent {launch.ssh_agent}: not found")
+    return launch
+
+
+def plan_simcluster(name: str, select: str | None, iface: str | None) -> Launch:
+    """A namespace cluster by name or state directory, optionally some of its hosts."""
+    from .rig.simcluster import find_cluster
+
+    try:
+        cluster = find_cluster(name)
+    except LookupError as e:
+        raise LaunchError(str(e)) from None
+    chosen = [h.strip() for h in select.split(",") if h.strip()] if select else None
+    try:
+        opts = cluster.mpirun_options(chosen)
+    except KeyError as e:
+        raise LaunchError(f"--hosts {select}: {e.args[0]} (hosts are 1..{cluster.n_hosts}, "
+                          f"{cluster.hosts[0]}.. or their IPs)") from None
+    hostfile = Path(opts["hostfile"])
+    return Launch(hostfile, read_hostfile(hostfile), Path(opts["ssh_agent"]), iface or opts["network"])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="launch/mlxrun", description=__doc__.splitlines()[0],
                                 epilog="example: launch/mlxrun --hostfile hostfiles/studio+macbook.hosts "
-                                       "-- --config configs/cluster.yaml")
+                                       "-- --config configs/cluster.yaml. Exit codes: "
+                                       + ", ".join(f"{int(c)} {c.name.lower()}" for c in Exit))
     p.add_argument("--hostfile", help="Open MPI hostfile (name slots=N per line)")
-    p.add_argument("--simcluster", metavar="NAME",
-                   help="rehearse on a namespace cluster made by `launch/simcluster up` (e.g. mlxsim)")
+    p.add_argument("--simcluster", metavar="NAME|DIR",
+                   help="rehearse on a namespace cluster made by `launch/simcluster up` (name or state dir)")
+    p.add_argument("--hosts", metavar="LIST", help="with --simcluster: only these hosts, e.g. 1,2 or mlxsim2,mlxsim3")
+    p.add_argument("--ssh-agent", metavar="PATH", help="command mpirun uses instead of ssh (plm_ssh_agent)")
     p.add_argument("--iface", help="network interface or CIDR for MPI traffic, e.g. en0, bridge0, 10.0.0.0/24")
     p.add_argument("--tcp-links", type=int, default=2, help="TCP connections per peer (Thunderbolt: 4)")
     p.add_argument("--python", default=sys.executable, help="python on every host (same path)")
     p.add_argument("-x", dest="env", action="append", default=[], help="extra env var to pass to ranks")
+    p.add_argument("--grace", type=float, default=3.0,
+                   help="seconds mpirun gets to end a failed job before it is killed (default 3)")
     p.add_argument("--dry-run", action="store_true", help="check hosts and print the command only")
     p.add_argument("--no-check", action="store_true", help="skip the host reachability check")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then python -m mlxdist.train arguments")
     args = p.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    if args.simcluster:
-        return launch_on_simcluster(args.simcluster, train_args, args)
-    if not args.hostfile:
-        p.error("one of --hostfile or --simcluster is required")
+    if bool(args.hostfile) == bool(args.simcluster):
+        p.error("give one of --hostfile or --simcluster")
+    if args.hosts and not args.simcluster:
+        p.error("--hosts picks hosts of a --simcluster; for real machines, write a hostfile with those lines")
+    tag = secrets.token_hex(4)
     try:
-        hosts = read_hostfile(args.hostfile)
+        if args.simcluster:
+            launch = plan_simcluster(args.simcluster, args.hosts, args.iface)
+        else:
+            launch = plan_hostfile(args.hostfile, args.ssh_agent, args.iface)
+        where = f"hostfile {args.hostfile}" if args.hostfile else f"--simcluster {args.simcluster}"
         if not args.no_check:
-            for h in hosts:
-                problem = check_host(h.name)
+            remote = launch.remote() if launch.ssh_agent else None
+            for h in launch.hosts:
+                problem = check_host(h.name, remote)
                 if problem:
-                    raise LaunchError(f"hostfile {args.hostfile}: {problem}")
-        cmd = build_command(args.hostfile, hosts, train_args, iface=args.iface, tcp_links=args.tcp_links,
-                            python=args.python, extra_env=args.env)
+                    raise LaunchError(f"{where}: {problem}")
+        cmd = launch.command(train_args, python=args.python, tcp_links=args.tcp_links, env=args.env, tag=tag)
     except (LaunchError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
+    for note in launch.notes:
+        print(f"mlxrun: {note}", file=sys.stderr)
     print(shlex.join(cmd), flush=True)
     if args.dry_run:
-        return 0
-    return supervise(cmd)
-
-
-def launch_on_simcluster(name: str, train_args: list[str], args: argparse.Namespace) -> int:
-    """The same launch onto namespace hosts: their ssh stand-in instead of ssh, their subnet."""
-    from .rig.simcluster import DEFAULT_STATE_ROOT, SimCluster
-
-    state = DEFAULT_STATE_ROOT / name
-    if not (state / "state.json").exists():
-        print(f"error: no simulated cluster '{name}' in {state}; make one with "
-              "`sudo launch/simcluster up --hosts 2`", file=sys.stderr)
-        return 2
-    cluster = SimCluster.load(state)
-    try:
-        mpirun = find_mpirun(args.python)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    n = sum(h.slots for h in read_hostfile(cluster.hostfile))
-    cmd = [mpirun, *cluster.mpirun_args(env=["MLX_MPI_LIBNAME=libmpi.so.40", *args.env]), "-np", str(n),
-           "--bind-to", "none", "--mca", "btl_tcp_links", str(args.tcp_links),
-           args.python, "-m", "mlxdist.train", *train_args]
-    print(shlex.join(cmd), flush=True)
-    return 0 if args.dry_run else supervise(cmd)
-
-
-# Lines after which the job is over even if mpirun does not think so: Open MPI 5 exits 0
-# when a host's daemon dies, and waits forever for a daemon behind a cut link.
-FATAL_MARKERS = ("stalled", "A daemon failed to report back", "aborting the whole job", "MPI_ABORT")
-
-
-def supervise(cmd: list[str], grace: float = 10.0) -> int:
-    """Run mpirun, pass its output through, and make a failed job end, and end non-zero."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
-    failed = threading.Event()
-    reason: list[str] = []
-
-    def pump(src, dst) -> None:
-        for line in src:
-            dst.write(line)
-            dst.flush()
-            if not failed.is_set() and any(m in line for m in FATAL_MARKERS):
-                reason.append(line.strip())
-                failed.set()
-
-    threads = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout), daemon=True),
-               threading.Thread(target=pump, args=(proc.stderr, sys.stderr), daemon=True)]
-    for t in threads:
-        t.start()
-
-    interrupted = threading.Event()
-
-    def forward(signum, _frame):
-        interrupted.set()
-        proc.send_signal(signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while proc.poll() is None:
-            if failed.wait(0.2):
-                try:
-                    proc.wait(timeout=grace)
-                except subprocess.TimeoutExpired:
-                    print(f"mlxrun: mpirun did not exit {grace:.0f}s after the job failed; stopping it",
-                          file=sys.stderr, flush=True)
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=5)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
-                break
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-    for t in threads:
-        t.join(timeout=2)
-    if failed.is_set():
-        print(f"mlxrun: job failed: {reason[0]}", file=sys.stderr, flush=True)
-        return proc.returncode or 1
-    if interrupted.is_set():
-        # mpirun drops the ranks' last lines while it shuts down; say what they did.
-        print("mlxrun: stopped; the ranks saved a checkpoint at the step they agreed on: "
-              "continue with --resume auto", file=sys.stderr, flush=True)
-    return proc.returncode
+        return Exit.OK
+    return supervise(cmd, n_ranks=launch.n_ranks, hosts=[h.name for h in launch.hosts], remote=launch.remote(),
+                     tag=tag, grace=args.grace)
 
 
 if __name__ == "__main__":

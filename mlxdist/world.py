@@ -8,6 +8,7 @@ so `init_world` is told which data-plane backend will follow.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -22,7 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from . import markers
+
 MPI_LIBNAME = "libmpi.so.40"
+ABORT_GRACE_S = 5.0
 
 
 def resolve_backend(requested: str) -> str:
@@ -92,10 +96,15 @@ class World:
             with self.watch(what, patience):
                 self.comm.Barrier()
 
-    def abort(self, message: str, code: int = 3) -> None:
-        """End every rank of the job: a half-dead job that hangs is the worst outcome."""
-        print(f"mlxdist: {self.label}: {message}", file=sys.stderr, flush=True)
+    def abort(self, message: str, code: int = 3, reason: str = "error") -> None:
+        """End every rank of the job: a half-dead job that hangs is the worst outcome.
+
+        The line carries markers.ABORT so `launch/mlxrun` knows why without reading prose;
+        `reason` is `stalled` for the watchdog. `Abort` itself can hang when the link to
+        mpirun is cut, so the process ends on its own a few seconds later regardless."""
+        print(markers.abort_line(self.label, message, reason), file=sys.stderr, flush=True)
         if self.comm is not None:
+            faulthandler.dump_traceback_later(ABORT_GRACE_S, exit=True, file=_devnull())
             self.comm.Abort(code)
         os._exit(code)
 
@@ -126,12 +135,14 @@ class World:
             if w and time.monotonic() - w[1] > self.stall_timeout * w[2]:
                 self.abort(
                     f"stalled {self.stall_timeout * w[2]:.0f}s in {w[0]} (dist.stall_timeout_s); "
-                    "a peer rank died, hangs, or lost its network link; aborting the whole job"
+                    "a peer rank died, hangs, or lost its network link; aborting the whole job",
+                    reason="stalled",
                 )
 
     def install_signal_handlers(self) -> None:
-        """First Ctrl-C/SIGTERM: stop at the next step boundary (all ranks agree, checkpoint).
-        Second: exit now."""
+        """First Ctrl-C/SIGTERM/SIGUSR1: stop at the next step boundary (all ranks agree,
+        checkpoint). Second: exit now. SIGUSR1 is the one mpirun forwards to the ranks
+        (its own Ctrl-C ends the job), so `kill -USR1 MPIRUN_PID` and launch/mlxrun use it."""
 
         def handler(signum, _frame):
             if self.stop_requested:
@@ -140,8 +151,14 @@ class World:
             print(f"mlxdist: {self.label}: {signal.Signals(signum).name} received; stopping after this step "
                   "(again to exit now)", file=sys.stderr, flush=True)
 
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM, markers.STOP_SIGNAL):
+            signal.signal(sig, handler)
+        if os.environ.get(markers.SUPERVISED_ENV):
+            print(markers.ready_line(self.rank), flush=True)
+
+
+def _devnull():
+    return open(os.devnull, "w")  # noqa: SIM115 - must outlive the call: the C timer writes to it
 
 
 def _env_int(*names: str, default: int = 0) -> int:

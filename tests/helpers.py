@@ -52,13 +52,14 @@ def logged_steps(run_dir: Path) -> list[dict]:
 
 
 def stop_with_sigterm_after(args: list[str], run_dir: Path, step: int, np_: int = 0) -> tuple[int, str]:
-    """Start a real run, SIGTERM it (or its mpirun) once rank 0 logged `step`; wait for the end."""
+    """Start a real run, stop it once rank 0 logged `step`, wait for the end: SIGTERM to a lone
+    process, SIGUSR1 to mpirun (which kills the job on SIGTERM but forwards SIGUSR1)."""
     proc = subprocess.Popen(train_command(args, np_), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env())
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if len(logged_steps(run_dir)) >= step:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGUSR1 if np_ else signal.SIGTERM)
             break
         time.sleep(0.02)
     _, err = proc.communicate(timeout=120)

@@ -1,10 +1,23 @@
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import ROOT, env
 
 from mlxdist.launcher import read_hostfile
+from mlxdist.markers import (
+    Exit,
+    abort_line,
+    complete_line,
+        parse_abort,
+    parse_complete,
+    parse_ready,
+    ready_line,
+)
+from mlxdist.mpirun import mpirun_command
+from mlxdist.supervisor import supervise
+from mlxdist.world import MPI_LIBNAME
 
 
 def _mlxrun(*args):
@@ -45,22 +58,54 @@ def test_launch_runs_training_on_localhost(tmp_path):
     assert "2 rank(s)" in r.stderr and (tmp_path / "checkpoints" / "step_00000002").is_dir()
 
 
-def test_supervisor_ends_a_job_that_mpirun_would_leave_hanging():
-    import time
-
-    from mlxdist.launcher import supervise
-
-    t0 = time.time()
-    code = supervise(["sh", "-c", "echo 'mlxdist: rank 1 (mac2): stalled 10s in gradient all-reduce' >&2; "
-                      "sleep 60"], grace=1)
-    assert code != 0 and time.time() - t0 < 15
+def _sh(script: str) -> list[str]:
+    return ["sh", "-c", script]
 
 
-def test_supervisor_turns_a_lost_daemon_into_failure():
-    from mlxdist.launcher import supervise
+def test_supervisor_ends_a_stalled_job_that_mpirun_would_leave_hanging():
+    line = abort_line("rank 1 (mac2)", "stalled 10s in gradient all-reduce", "stalled")
+    t0 = time.monotonic()
+    code = supervise(_sh(f"echo '{line}' >&2; sleep 60"), grace=1)
+    assert code == Exit.STALLED and time.monotonic() - t0 < 15
 
-    assert supervise(["sh", "-c", "echo 'A daemon failed to report back' >&2; exit 0"], grace=1) == 1
-    assert supervise(["sh", "-c", "echo all good; exit 0"], grace=1) == 0
+
+def test_supervisor_exits_zero_only_after_the_completion_record():
+    assert supervise(_sh(f"echo '{complete_line(5, 'completed')}'; exit 0")) == Exit.OK
+    # mpirun's exit 0 alone proves nothing: Open MPI 5 exits 0 when a host's daemon dies.
+    assert supervise(_sh("echo all good; exit 0")) == Exit.FAILED
+    assert supervise(_sh("echo 'PRTE has lost communication with a remote daemon.' >&2; exit 0"),
+                     grace=1) == Exit.HOST_LOST
+    assert supervise(_sh(f"echo '{abort_line('rank 0 (a)', 'boom', 'error')}' >&2; exit 1"), grace=1) == Exit.FAILED
+    assert supervise(_sh("echo 'error: configs/x.yaml: unknown key' >&2; exit 2")) == Exit.USAGE
+
+
+def test_markers_round_trip():
+    assert parse_complete("x " + complete_line(12, "early stopping")) == (12, "early stopping")
+    assert parse_abort(abort_line("rank 1 (h)", "stalled 3s in x", "stalled")) == "stalled"
+    assert parse_abort("mlxdist: rank 1 (h): stalled 3s in x") is None
+    assert parse_ready(ready_line(3)) == 3 and parse_ready(ready_line(3) + ready_line(4)) is None
+
+
+def test_one_mpirun_builder(tmp_path, monkeypatch):
+    from mlxdist.rig.simcluster import SimCluster
+
+    monkeypatch.setenv("FOO", "1")
+    c = SimCluster(3, name="mlxlt", subnet="10.79.0", state_dir=tmp_path)
+    cmd = mpirun_command(["prog"], **c.mpirun_options(["mlxlt3", 1]), np=2, env=["FOO", "BAR"], mpirun="mpirun")
+    pairs = list(zip(cmd, cmd[1:], strict=False))
+    assert ("--hostfile", str(tmp_path / "hostfile-1-3")) in pairs and cmd[-3:] == ["-np", "2", "prog"]
+    assert ("plm_ssh_agent", str(c.ssh_agent)) in pairs and ("btl_tcp_if_include", "10.79.0.0/24") in pairs
+    assert ("-x", "FOO") in pairs and ("-x", "BAR") not in pairs
+    assert ("-x", f"MLX_MPI_LIBNAME={MPI_LIBNAME}") in pairs
+    assert (tmp_path / "hostfile-1-3").read_text() == "10.79.0.1 slots=1\n10.79.0.3 slots=1\n"
+    assert c.mpirun_args() == mpirun_command([], **c.mpirun_options(), mpirun="mpirun")[1:]
+
+
+def test_unknown_subset_host_is_named(tmp_path):
+    r = _mlxrun("--simcluster", "nosuchcluster", "--hosts", "1,2", "--dry-run")
+    assert r.returncode == 2 and "no simulated cluster 'nosuchcluster'" in r.stderr
+    r = _mlxrun("--hostfile", str(ROOT / "hostfiles" / "localhost.hosts"), "--hosts", "1", "--dry-run")
+    assert r.returncode == 2 and "--hosts" in r.stderr
 
 
 @pytest.mark.cluster
@@ -71,10 +116,27 @@ def test_mlxrun_rehearses_on_a_simulated_cluster(tmp_path):
     ok, why = available()
     if not ok:
         pytest.skip(why)
-    with SimCluster(2, name="mlxrunt", subnet="10.77.31"):
-        r = _mlxrun("--simcluster", "mlxrunt", "--", "data.source=synthetic", "data.seq_len=16",
+    with SimCluster(2, name="mlxlt", subnet="10.79.0"):
+        r = _mlxrun("--simcluster", "mlxlt", "--", "data.source=synthetic", "data.seq_len=16",
                     "train.steps=2", "metrics.port=0", f"train.out_dir={tmp_path}", "dist.backend=mlx-mpi")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "on mlxrunt1, mlxrunt2" in r.stderr and (tmp_path / "checkpoints" / "step_00000002").is_dir()
+    assert "on mlxlt1, mlxlt2" in r.stderr and (tmp_path / "checkpoints" / "step_00000002").is_dir()
     r = _mlxrun("--simcluster", "nosuchcluster", "--dry-run")
     assert r.returncode == 2 and "launch/simcluster up" in r.stderr
+
+
+def test_cleanup_kills_the_jobs_leftovers_and_nothing_else():
+    from mlxdist.supervisor import Remote, cleanup_script, leftover_pattern
+
+    sleeper = [sys.executable, "-X", "mlxdist_job={}", "-c", "import time; time.sleep(60)"]
+    mine, other = (subprocess.Popen([a.format(t) for a in sleeper]) for t in ("c0ffee01", "c0ffee02"))
+    try:
+        script = cleanup_script(leftover_pattern("c0ffee01", 999999, "nohost"))
+        r = subprocess.run(Remote(local_names=frozenset({"localhost"})).command("localhost", script),
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and r.stdout.split() == ["leftovers:", "1"], r.stdout + r.stderr
+        assert mine.wait(timeout=10) == -9 and other.poll() is None
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()

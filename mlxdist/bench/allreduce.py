@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..world import find_mpirun, launched_by_mpirun
+from ..world import launched_by_mpirun
 
 TRANSPORTS = ("raw-mpi4py", "mpi4py", "mlx-mpi", "mlx-ring")
 # Which launch measures which transport: the pure-mpi4py ones share a process.
@@ -194,6 +194,7 @@ def _forwarded(argv: list[str]) -> list[str]:
 
 
 def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> dict:
+    from ..mpirun import mpirun_command
     from ..world import MPI_LIBNAME
 
     wanted = [t.strip() for t in args.transports.split(",") if t.strip()]
@@ -207,12 +208,9 @@ def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> di
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
     if cluster is not None:
         tuning = [k for k in os.environ if k.startswith(("MLXDIST_", "OMPI_MCA_"))]
-        base = [find_mpirun(), *cluster.mpirun_args(env=["MLX_MPI_LIBNAME", *tuning])]
+        base = mpirun_command([], **cluster.mpirun_options(), env=tuning)
     else:
-        base = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                "--mca", "btl", "self,tcp", "-x", "MLX_MPI_LIBNAME", "-x", "PYTHONPATH"]
-        if "LD_PRELOAD" in env:
-            base += ["-x", "LD_PRELOAD"]
+        base = [*mpirun_command([], env=["MLX_MPI_LIBNAME"]), "--oversubscribe"]
     merged: dict = {"n": args.np, "results": {}}
     for family, members in _FAMILIES.items():
         if not set(members) & set(wanted):

@@ -38,17 +38,6 @@ CGROUP_PARENT = "mlxdist-simcluster"
 ETC_NETNS = Path("/etc/netns")
 CFS_PERIOD_US = 100_000
 
-# Environment variables that ranks need to find the venv's python, MPI library and
-# package code; forwarded only when set, since `-x NAME` of an unset name is noise.
-FORWARDED_ENV = (
-    "PATH",
-    "LD_LIBRARY_PATH",
-    "PYTHONPATH",
-    "VIRTUAL_ENV",
-    "LD_PRELOAD",
-    "MLX_MPI_LIBNAME",
-)
-
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,30}$")
 # ssh options that take a value; the stand-in must drop the value with the option.
 _SSH_VALUE_OPTS = "BbcDEeFIiJLlmOopQRSWw"
@@ -485,9 +474,14 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         for d in (CGROUP_V1_CPU / CGROUP_PARENT, CGROUP_V2_ROOT / CGROUP_PARENT, ETC_NETNS):
             with contextlib.suppress(OSError):
                 d.rmdir()
-        for f in (self.hostfile, self.ssh_agent, self.hosts_file, self.state_file):
+        subsets = list(self.state_dir.glob("hostfile-*")) if self.state_dir.is_dir() else []
+        for f in (self.hostfile, self.ssh_agent, self.hosts_file, self.state_file, *subsets):
             with contextlib.suppress(OSError):
                 f.unlink()
+        with contextlib.suppress(OSError):
+            target = Path(_pointer(self.name).read_text().strip())
+            if target == self.state_dir or not (target / "state.json").is_file():
+                _pointer(self.name).unlink()
         self._is_up = False
 
     def _cgroup_leaves(self) -> list[Path]:
@@ -551,25 +545,26 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
     # ----- running things on hosts -----------------------------------------
 
     def mpirun_args(self, env: Sequence[str] = ()) -> list[str]:
-        """Flags that make the venv's `mpirun` (running in the root namespace, at
-        the bridge address) launch onto these hosts and keep all traffic on them.
+        """Flags that make the venv's `mpirun` (running in the root namespace, at the
+        bridge address) launch onto these hosts and keep all traffic on them; callers
+        append `-np N program`. `env` names extra variables to forward to the ranks."""
+        from ..mpirun import mpirun_command
 
-        `env` names extra variables to forward to the ranks besides FORWARDED_ENV.
-        """
-        args = [
-            "--allow-run-as-root",
-            "--hostfile", str(self.hostfile),
-            "--prtemca", "plm_ssh_agent", str(self.ssh_agent),
-            # Only mpirun starts daemons: one agent, no hop through a host.
-            "--prtemca", "plm_ssh_no_tree_spawn", "1",
-            "--prtemca", "oob_tcp_if_include", self.cidr,
-            "--mca", "btl", "tcp,self",
-            "--mca", "btl_tcp_if_include", self.cidr,
-        ]
-        for var in dict.fromkeys([*FORWARDED_ENV, *env]):
-            if var in os.environ:
-                args += ["-x", var]
-        return args
+        return mpirun_command([], **self.mpirun_options(), env=env, mpirun="mpirun")[1:]
+
+    def mpirun_options(self, hosts: Sequence[str | int] | None = None) -> dict[str, Any]:
+        """Keyword arguments for `mlxdist.mpirun.mpirun_command` that launch onto these
+        hosts, or onto the subset `hosts` (names, IPs or indices), e.g. to rehearse a
+        resume on the machines that are left."""
+        return {"hostfile": self.subset_hostfile(hosts) if hosts else self.hostfile,
+                "ssh_agent": self.ssh_agent, "network": self.cidr}
+
+    def subset_hostfile(self, hosts: Sequence[str | int]) -> Path:
+        """A hostfile of some hosts, kept beside the full one (and removed by `down`)."""
+        idx = sorted(dict.fromkeys(self._index(h) for h in hosts))
+        path = self.state_dir / f"hostfile-{'-'.join(map(str, idx))}"
+        path.write_text("".join(f"{self.ip(i)} slots={self.slots}\n" for i in idx))
+        return path
 
     def host_command(self, host: str | int, argv: Sequence[str]) -> list[str]:
         """`argv` wrapped to run on `host` the way mpirun's daemons do: its netns,
@@ -726,6 +721,9 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         }
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.state_file.write_text(json.dumps(data, indent=1) + "\n")
+        if self.state_dir.resolve() != (DEFAULT_STATE_ROOT / self.name).resolve():
+            DEFAULT_STATE_ROOT.mkdir(parents=True, exist_ok=True)
+            _pointer(self.name).write_text(f"{self.state_dir}\n")
 
     @classmethod
     def load(cls, state_dir: str | os.PathLike[str]) -> SimCluster:
@@ -770,13 +768,33 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         ])
 
 
+def _pointer(name: str) -> Path:
+    """Where a cluster kept outside the default root leaves its address, so that
+    `mlxrun --simcluster NAME` finds it by name alone."""
+    return DEFAULT_STATE_ROOT / f"{name}.state-dir"
+
+
+def find_cluster(name_or_dir: str) -> SimCluster:
+    """The cluster that is up under this name (default root, or a `--state-dir` it was
+    made with) or in this state directory; a LookupError that says how to make one."""
+    candidates = [Path(name_or_dir)] if "/" in name_or_dir else []
+    candidates.append(DEFAULT_STATE_ROOT / name_or_dir)
+    if _NAME_RE.match(name_or_dir) and _pointer(name_or_dir).is_file():
+        candidates.append(Path(_pointer(name_or_dir).read_text().strip()))
+    for d in candidates:
+        if (d / "state.json").is_file():
+            return SimCluster.load(d)
+    raise LookupError(f"no simulated cluster '{name_or_dir}' (looked in "
+                      f"{', '.join(map(str, candidates))}); make one with `sudo launch/simcluster up --hosts 2`")
+
+
 # ----- CLI ------------------------------------------------------------------------
 
 def _cli_cluster(args: argparse.Namespace) -> SimCluster:
-    state_dir = Path(args.state_dir) if args.state_dir else DEFAULT_STATE_ROOT / args.name
-    if not (state_dir / "state.json").exists():
-        raise SystemExit(f"no cluster state in {state_dir}; run `simcluster up` first")
-    return SimCluster.load(state_dir)
+    try:
+        return find_cluster(args.state_dir or args.name)
+    except LookupError as e:
+        raise SystemExit(str(e)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -839,11 +857,10 @@ def _cli_run(args: argparse.Namespace) -> int:
         print(f"example: {c.example_command()}")
         return 0
     if args.cmd == "down":
-        state_dir = args.state_dir or DEFAULT_STATE_ROOT / args.name
         try:
-            c = SimCluster.load(state_dir)
-        except (OSError, ValueError, KeyError):
-            c = SimCluster(0, name=args.name, state_dir=state_dir)
+            c = find_cluster(args.state_dir or args.name)
+        except (LookupError, OSError, ValueError, KeyError):
+            c = SimCluster(0, name=args.name, state_dir=args.state_dir or DEFAULT_STATE_ROOT / args.name)
         c.down()
         return 0
     c = _cli_cluster(args)

@@ -1,0 +1,82 @@
+"""What the ranks tell the launcher, and what the launcher tells the shell.
+
+The ranks and `launch/mlxrun` run in different processes, often on different machines,
+and the only channel between them that always works is the text mpirun relays. Both
+sides import these constants, so the supervisor never depends on the wording of a log
+message, and a script calling `mlxrun` can tell "finished" from "stopped" from "broken".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from enum import IntEnum
+
+# Printed by world.abort on the rank that ends the job (stall watchdog, fatal error).
+ABORT = "mlxdist-abort:"
+# Printed by rank 0 as its very last line, after the final checkpoint and its end event.
+COMPLETE = "mlxdist-complete:"
+
+# Printed by each rank once its stop handler is in place, only under launch/mlxrun (which
+# sets SUPERVISED_ENV): a stop signal that arrives earlier would kill a starting rank.
+READY = "mlxdist-ready:"
+SUPERVISED_ENV = "MLXDIST_SUPERVISED"
+
+# Forwarded to every rank by Open MPI's mpirun (prterun forwards SIGUSR1/SIGUSR2 and
+# kills the job on SIGINT/SIGTERM), so it is the one stop request that survives the trip.
+STOP_SIGNAL = signal.SIGUSR1
+
+
+class Exit(IntEnum):
+    """`launch/mlxrun` exit codes (README: "How a job ends")."""
+
+    OK = 0  # every rank stopped at one step with a checkpoint: finished, early-stopped or stopped on request
+    FAILED = 1  # the job ended without its completion record (a rank crashed or raised)
+    USAGE = 2  # bad command line, hostfile, config key, or a host that cannot be reached
+    STALLED = 3  # a collective made no progress for dist.stall_timeout_s (cut link, sleeping host)
+    HOST_LOST = 4  # a host (its daemon or its ranks) disappeared mid-run
+    KILLED = 130  # a second Ctrl-C: ended at once, nothing saved since the last checkpoint
+
+
+def abort_line(label: str, message: str, reason: str) -> str:
+    """The human message first; `reason` is one word (`stalled`, `error`) for the supervisor."""
+    return f"mlxdist: {label}: {message} ({ABORT} {reason})"
+
+
+def ready_line(rank: int) -> str:
+    return f"{READY} rank {rank}"
+
+
+def complete_line(step: int, reason: str) -> str:
+    return f"{COMPLETE} step {step} reason {reason.replace(' ', '_')}"
+
+
+def announce_complete(step: int, reason: str) -> None:
+    """Rank 0, last thing: tell the supervisor the run ended with a checkpoint at `step`.
+    Silent without a supervisor, so plain runs keep a clean terminal."""
+    if os.environ.get(SUPERVISED_ENV):
+        print(complete_line(step, reason), flush=True)
+
+
+_READY_RE = re.compile(re.escape(READY) + r" rank (\d+)")
+_ABORT_RE = re.compile(re.escape(ABORT) + r" (\w+)\)")
+_COMPLETE_RE = re.compile(re.escape(COMPLETE) + r" step (\d+) reason (\S+)")
+
+
+def parse_ready(line: str) -> int | None:
+    """The rank of a ready line, or None (also for two ranks' output run together)."""
+    m = _READY_RE.fullmatch(line.strip())
+    return int(m.group(1)) if m else None
+
+
+def parse_abort(line: str) -> str | None:
+    """The reason word of an abort line, or None."""
+    m = _ABORT_RE.search(line)
+    return m.group(1) if m else None
+
+
+def parse_complete(line: str) -> tuple[int, str] | None:
+    """(step, reason) of rank 0's completion record, or None."""
+    m = _COMPLETE_RE.search(line)
+    return (int(m.group(1)), m.group(2).replace("_", " ")) if m else None
