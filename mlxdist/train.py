@@ -22,6 +22,7 @@ from .config import Config, ConfigError, load_config
 from .control import BatchSizeError, micro_batches
 from .controllers import Controllers
 from .data import GlobalSampler, Prefetcher, build_datasets
+from .drift import DriftVerdict, SelfCheck, drift_verdict
 from .engine import make_engine
 from .events import EventLog, Progress
 from .faults import Faults
@@ -189,6 +190,8 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                                 rolling_back=rolling_back)
         if engine_name == "mlx":
             engine.broadcast_state(0)
+            if meta is not None:  # the broadcast carries weights and moments, not the Adam step count
+                engine.opt_step = int(meta["optimizer_step"])
 
     resume = cfg.checkpoint.resume
     loaded = None
@@ -280,6 +283,8 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         return changed
 
     faults = Faults.from_env()
+    self_check = SelfCheck(cfg.dist.sync_weights_every if world.size > 1 else 0)
+    drift_restored_to = None  # a drift that recurs after a restore must not loop forever
     prefetch = start_prefetch()
     stop_reason = None
     stats = None
@@ -299,6 +304,10 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             # 2. sync gradients and update (every rank sees the same loss and norm)
             lr = ctl.schedule(state.step, state.lr_scale * state.plateau_scale)
             stats = engine.step(lr)
+            if self_check.due(state.step + 1):
+                from .sync import checksum
+
+                self_check.remember(state.step + 1, checksum(engine.weight_arrays()))
             verdict = ctl.health.observe(state.step, stats.loss, stats.grad_norm)
             for w in verdict.warnings:
                 log(f"health: {w}")
@@ -349,12 +358,29 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                 prefetch = start_prefetch()
             every = cfg.dist.sync_weights_every
             if world.size > 1 and every and state.step % every == 0:
-                bad = repair_drift(world, engine)
-                if bad:
-                    log(f"drift: step {state.step}: weights on rank(s) {bad} differ from rank 0; "
-                        "repaired by broadcast from rank 0")
+                verdict = repair_drift(world, engine, self_check, state.step, hosts)
+                if not verdict.in_sync:
                     metrics.drift_repairs.inc()
-                    events.write("drift_repair", step=state.step, ranks=bad)
+                    events.write("drift_repair", step=state.step, ranks=verdict.drifted_ranks,
+                                 source=verdict.source_rank, checkpoint=verdict.restore_from_checkpoint)
+                    found = step_found = state.step
+                    if verdict.restore_from_checkpoint:
+                        latest = ckpt.load_latest(ckpt_dir, warn=log) if world.is_main else None
+                        found = world.bcast(latest.state["step"] if latest is not None else None)
+                    if verdict.restore_from_checkpoint and found is not None and found != drift_restored_to:
+                        log(f"drift: step {step_found}: {verdict.message} (step {found})")
+                        prefetch.close()
+                        restore(latest, rolling_back=True)
+                        drift_restored_to = found
+                        prefetch = start_prefetch()
+                        continue
+                    if verdict.restore_from_checkpoint:
+                        why = "none saved yet" if found is None else "it drifted again since"
+                        engine.broadcast_state(verdict.source_rank)
+                        log(f"drift: step {step_found}: {verdict.message}: {why}, so continuing from "
+                            f"rank {verdict.source_rank}'s weights")
+                    else:
+                        log(f"drift: step {step_found}: {verdict.message}")
 
             # 4. report
             step_s = time.perf_counter() - t_step
@@ -452,16 +478,18 @@ def run_share(engine, batches: list, shrink) -> None:
             batches = np.split(samples, np.cumsum(sizes)[:-1])
 
 
-def repair_drift(world, engine) -> list[int]:
-    """All-gather weight checksums; broadcast rank 0's state if any differ. Returns the
-    ranks that had drifted (empty when all agree)."""
+def repair_drift(world, engine, self_check: SelfCheck, step: int, hosts: list[str]) -> DriftVerdict:
+    """All-gather weight checksums and self-checks; unless all agree, broadcast the state of
+    the rank `drift_verdict` trusts. Restoring a checkpoint is left to the caller (it also
+    resets the step and the data position)."""
     from .sync import checksum
 
-    sums = world.allgather(checksum(engine.weight_arrays()))
-    bad = [r for r, s in enumerate(sums) if s != sums[0]]
-    if bad:
-        engine.broadcast_state(0)
-    return bad
+    mine = checksum(engine.weight_arrays())
+    gathered = world.allgather((mine, self_check.verify(step, mine)))
+    verdict = drift_verdict([g[0] for g in gathered], [g[1] for g in gathered], hosts)
+    if not verdict.in_sync and not verdict.restore_from_checkpoint:
+        engine.broadcast_state(verdict.source_rank)
+    return verdict
 
 
 def _looks_like_oom(e: Exception) -> bool:
