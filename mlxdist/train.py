@@ -358,29 +358,29 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
                 prefetch = start_prefetch()
             every = cfg.dist.sync_weights_every
             if world.size > 1 and every and state.step % every == 0:
-                verdict = repair_drift(world, engine, self_check, state.step, hosts)
-                if not verdict.in_sync:
+                drift = repair_drift(world, engine, self_check, state.step, hosts)
+                if not drift.in_sync:
                     metrics.drift_repairs.inc()
-                    events.write("drift_repair", step=state.step, ranks=verdict.drifted_ranks,
-                                 source=verdict.source_rank, checkpoint=verdict.restore_from_checkpoint)
+                    events.write("drift_repair", step=state.step, ranks=drift.drifted_ranks,
+                                 source=drift.source_rank, checkpoint=drift.restore_from_checkpoint)
                     found = step_found = state.step
-                    if verdict.restore_from_checkpoint:
+                    if drift.restore_from_checkpoint:
                         latest = ckpt.load_latest(ckpt_dir, warn=log) if world.is_main else None
                         found = world.bcast(latest.state["step"] if latest is not None else None)
-                    if verdict.restore_from_checkpoint and found is not None and found != drift_restored_to:
-                        log(f"drift: step {step_found}: {verdict.message} (step {found})")
+                    if drift.restore_from_checkpoint and found is not None and found != drift_restored_to:
+                        log(f"drift: step {step_found}: {drift.message} (step {found})")
                         prefetch.close()
                         restore(latest, rolling_back=True)
                         drift_restored_to = found
                         prefetch = start_prefetch()
                         continue
-                    if verdict.restore_from_checkpoint:
+                    if drift.restore_from_checkpoint:
                         why = "none saved yet" if found is None else "it drifted again since"
-                        engine.broadcast_state(verdict.source_rank)
-                        log(f"drift: step {step_found}: {verdict.message}: {why}, so continuing from "
-                            f"rank {verdict.source_rank}'s weights")
+                        engine.broadcast_state(drift.source_rank)
+                        log(f"drift: step {step_found}: {drift.message}: {why}, so continuing from "
+                            f"rank {drift.source_rank}'s weights")
                     else:
-                        log(f"drift: step {step_found}: {verdict.message}")
+                        log(f"drift: step {step_found}: {drift.message}")
 
             # 4. report
             step_s = time.perf_counter() - t_step
