@@ -1,7 +1,7 @@
 """Fault injection for tests, read from the environment: the only way a test can make a
 real multi-process run drift, blow up, or run out of memory on cue.
 
-  MLXDIST_INJECT_DRIFT=RANK:STEP   perturb RANK's weights after STEP
+  MLXDIST_INJECT_DRIFT=RANK:STEP   perturb RANK's weights after STEP (once)
   MLXDIST_INJECT_NAN=S1,S2,...     non-finite loss at those steps (each fires once)
   MLXDIST_INJECT_OOM=RANK:STEP     RANK's first micro-batch of STEP raises MemoryError (once)
 """
@@ -45,4 +45,8 @@ class Faults:
         return False
 
     def drift_now(self, rank: int, step: int) -> bool:
-        return self.drift == (rank, step)
+        """Once: a drift repair that restores a checkpoint replays the step."""
+        if self.drift == (rank, step):
+            self.drift = (-1, -1)
+            return True
+        return False

@@ -27,6 +27,7 @@ from .engine import ENGINES, make_engine, make_world, prepare_process
 from .engine.base import Engine, StepStats
 from .evaluation import Evaluator
 from .events import EventLog, Progress
+from .drift import SelfCheck, drift_verdict
 from .faults import Faults
 from .markers import announce_complete
 from .memory import MemoryReading
@@ -125,6 +126,8 @@ class Trainer:
         self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir)
         self.faults = Faults.from_env()
         self.stop_reason: str | None = None
+        self.self_check = SelfCheck(cfg.dist.sync_weights_every if w.size > 1 else 0)
+        self._drift_restored_to: int | None = None
 
         backend = resolve_backend(cfg.dist.backend) if w.size > 1 else "single"
         metrics.set_build(engine=self.engine.name, backend=backend, world_size=str(w.size))
@@ -149,7 +152,8 @@ class Trainer:
                     continue
                 self.advance()
                 memory = self.adapt(compute_s)
-                self.check_drift()
+                if self.check_drift():
+                    continue
                 self.report_step(stats, lr, compute_s, memory, time.perf_counter() - t_step)
                 last = self.state.step >= self.cfg.train.steps or self.stop_reason is not None
                 if self.evaluator.due(self.state.step, last):
@@ -189,7 +193,10 @@ class Trainer:
     def optimizer_step(self) -> tuple[float, StepStats]:
         """Sync gradients and update; every rank sees the same loss and norm."""
         lr = self.ctl.schedule(self.state.step, self.state.lr_scale * self.state.plateau_scale)
-        return lr, self.engine.step(lr)
+        stats = self.engine.step(lr)
+        if self.self_check.due(self.state.step + 1):  # before anything else can touch the weights
+            self.self_check.remember(self.state.step + 1, self.engine.weight_checksum())
+        return lr, stats
 
     def rolled_back(self, stats: StepStats) -> bool:
         """Health check of the step; after too many bad steps in a row, go back to the last
@@ -250,18 +257,38 @@ class Trainer:
             self.feed.restart(self.state.step, self.state.position, self.plan)
         return memory
 
-    def check_drift(self) -> None:
-        """Every `dist.sync_weights_every` steps: all-gather weight checksums; where any rank
-        differs, broadcast rank 0's state (DESIGN promise 3)."""
+    def check_drift(self) -> bool:
+        """Every `dist.sync_weights_every` steps: all-gather weight checksums and self-checks;
+        where ranks differ, repair from the rank `drift_verdict` trusts (the majority, or the
+        one that passed its own check), else from the latest checkpoint (DESIGN promise 3).
+        True when it went back to a checkpoint (the step is then redone)."""
         every = self.cfg.dist.sync_weights_every
         if self.world.size == 1 or not every or self.state.step % every:
-            return
-        sums = self.world.allgather(self.engine.weight_checksum())
-        bad = [r for r, s in enumerate(sums) if s != sums[0]]
-        if bad:
-            self.engine.broadcast_state(0)
-            self.report.emit("drift_repair", f"drift: step {self.state.step}: weights on rank(s) {bad} differ from "
-                             "rank 0; repaired by broadcast from rank 0", step=self.state.step, ranks=bad)
+            return False
+        step, mine = self.state.step, self.engine.weight_checksum()
+        gathered = self.world.allgather((mine, self.self_check.verify(step, mine)))
+        verdict = drift_verdict([g[0] for g in gathered], [g[1] for g in gathered], self.hosts)
+        if verdict.in_sync:
+            return False
+        fields = dict(step=step, ranks=verdict.drifted_ranks, source=verdict.source_rank,
+                      checkpoint=verdict.restore_from_checkpoint)
+        if verdict.restore_from_checkpoint:
+            latest = self.checkpoints.latest(self.report.say) if self.world.is_main else None
+            found = self.world.bcast(latest.meta.run.step if latest is not None else None)
+            if found is not None and found != self._drift_restored_to:
+                self.report.emit("drift_repair", f"drift: step {step}: {verdict.message} (step {found})", **fields)
+                self.restore(latest, rolling_back=True)
+                self._drift_restored_to = found
+                self.feed.restart(self.state.step, self.state.position, self.plan)
+                return True
+            why = "none saved yet" if found is None else "it drifted again since"
+            self.engine.broadcast_state(verdict.source_rank)
+            self.report.emit("drift_repair", f"drift: step {step}: {verdict.message}: {why}, so continuing from "
+                             f"rank {verdict.source_rank}'s weights", **fields)
+            return False
+        self.engine.broadcast_state(verdict.source_rank)
+        self.report.emit("drift_repair", f"drift: step {step}: {verdict.message}", **fields)
+        return False
 
     def report_step(self, stats: StepStats, lr: float, compute_s: float, memory: MemoryReading,
                     step_s: float) -> None:

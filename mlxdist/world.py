@@ -58,6 +58,9 @@ class World:
     stop_requested: bool = False
     _watch: tuple[str, float, float] | None = None
     stall_timeout: float = 120.0
+    _progress: int = 0  # collectives entered: the same sequence on every rank
+    _heartbeat: Any = None
+    _suspended: tuple[float, float] | None = None  # (noticed at, seconds) of this rank's own freeze
 
     @property
     def is_main(self) -> bool:
@@ -116,6 +119,7 @@ class World:
         waiting while rank 0 writes a checkpoint of a billion parameters)."""
         outer = self._watch
         if outer is None:
+            self._progress += 1
             self._watch = (what, time.monotonic(), patience)
         try:
             yield
@@ -124,20 +128,55 @@ class World:
                 self._watch = None
 
     def start_watchdog(self, timeout: float) -> None:
+        """Collective when size > 1 (the heartbeat side channel all-gathers its addresses)."""
         self.stall_timeout = timeout
         if self.size > 1:
+            from .heartbeat import Heartbeat
+
+            try:
+                self._heartbeat = Heartbeat.start(self, self.heartbeat_interval, self._status)
+            except OSError as e:
+                print(f"mlxdist: {self.label}: no heartbeat side channel ({e}); a stall will not "
+                      "name the rank that caused it", file=sys.stderr, flush=True)
             threading.Thread(target=self._watchdog, daemon=True, name="stall-watchdog").start()
 
+    @property
+    def heartbeat_interval(self) -> float:
+        return min(1.0, max(0.05, self.stall_timeout / 10))
+
+    def _status(self) -> tuple[int, str | None]:
+        w = self._watch
+        return self._progress, w[0] if w else None
+
     def _watchdog(self) -> None:
+        tick = min(1.0, self.stall_timeout / 4)
+        last_mono, last_wall = time.monotonic(), time.time()
         while True:
-            time.sleep(min(1.0, self.stall_timeout / 4))
+            time.sleep(tick)
+            # A laptop's sleep stops the monotonic clock on macOS but not the wall clock;
+            # SIGSTOP advances both: the larger jump is how long this rank was frozen.
+            mono, wall = time.monotonic(), time.time()
+            frozen = max(mono - last_mono, wall - last_wall) - tick
+            last_mono, last_wall = mono, wall
+            if frozen > max(2.0, self.stall_timeout / 4):
+                self._suspended = (mono, frozen)
             w = self._watch
-            if w and time.monotonic() - w[1] > self.stall_timeout * w[2]:
-                self.abort(
-                    f"stalled {self.stall_timeout * w[2]:.0f}s in {w[0]} (dist.stall_timeout_s); "
-                    "a peer rank died, hangs, or lost its network link; aborting the whole job",
-                    reason="stalled",
-                )
+            if w and mono - w[1] > self.stall_timeout * w[2]:
+                self.abort(f"stalled {self.stall_timeout * w[2]:.0f}s in {w[0]} (dist.stall_timeout_s): "
+                           f"{self._stall_reason(w[1])}; aborting the whole job", reason="stalled")
+
+    def _stall_reason(self, since: float) -> str:
+        hb = self._heartbeat
+        if hb is None:
+            return "a peer rank died, hangs, or lost its network link"
+        from .stall import stall_culprits
+
+        frozen = self._suspended[1] if self._suspended and self._suspended[0] >= since else 0.0
+        progress = list(hb.progress)
+        progress[self.rank] = self._progress
+        return stall_culprits(time.monotonic(), list(hb.last_seen), progress, hb.hosts, self.rank,
+                              stale_after=max(3 * hb.interval, self.stall_timeout / 2),
+                              suspended_s=frozen, doing=list(hb.doing)).reason
 
     def install_signal_handlers(self) -> None:
         """First Ctrl-C/SIGTERM/SIGUSR1: stop at the next step boundary (all ranks agree,

@@ -219,6 +219,8 @@ def test_cut_link_names_the_stall(cluster: SimCluster, tmp_path: Path) -> None:
     out = job.out
     assert named, f"no stall message {took:.0f}s after the cut:\n{out[-3000:]}"
     assert re.search(r"stalled \d+s in [a-z -]+", out), out[-3000:]
+    # rank 0 (host 1, still connected) names the cut-off rank and its host
+    assert f"no heartbeat from rank 1 ({cluster.hosts[1]})" in out, out[-3000:]
     assert took < STALL_S + MARGIN_S
     assert survivors == [], f"processes left on the connected host: {survivors}"
     assert code is not None and code != 0, f"exit {code} after heal:\n{out[-3000:]}"

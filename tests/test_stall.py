@@ -1,0 +1,203 @@
+"""Naming the rank that stalled a job: the verdict (pure), the UDP heartbeat between real
+sockets, and real mpirun jobs where one rank is frozen with SIGSTOP."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import FAST, env, logged_steps, train_command
+
+from mlxdist.heartbeat import Heartbeat
+from mlxdist.stall import stall_culprits
+
+HOSTS = ["studio", "mac-a", "mac-b"]
+
+
+def test_silent_peer_is_named_with_its_host():
+    v = stall_culprits(100.0, [None, 99.5, 71.0], [42, 42, 41], HOSTS, me=0, stale_after=5)
+    assert v.culprits == [2]
+    assert "no heartbeat from rank 2 (mac-b) for 29s" in v.reason
+    assert "rank 1" not in v.reason
+
+
+def test_every_silent_peer_is_named():
+    v = stall_culprits(50.0, [40.0, None, 41.0], [7, 9, 7], HOSTS, me=1, stale_after=5)
+    assert v.culprits == [0, 2]
+    assert "rank 0 (studio) for 10s" in v.reason and "rank 2 (mac-b) for 9s" in v.reason
+
+
+def test_peer_never_heard_is_named_with_a_different_hint():
+    v = stall_culprits(50.0, [None, 49.0, None], [3, 3, None], HOSTS, me=0, stale_after=5)
+    assert v.culprits == [2]
+    assert "rank 2 (mac-b) ever" in v.reason and "UDP blocked" in v.reason
+
+
+def test_alive_but_behind_peer_is_named():
+    v = stall_culprits(100.0, [99.0, None, 99.8], [42, 42, 40], HOSTS, me=1, stale_after=5,
+                       doing=["gradient all-reduce", None, None])
+    assert v.culprits == [2]
+    assert "rank 2 (mac-b) at collective #40 (computing) has not reached collective #42" in v.reason
+
+
+def test_fresh_peers_in_the_same_collective_blame_the_link():
+    v = stall_culprits(100.0, [None, 99.0, 99.5], [42, 42, 42], HOSTS, me=0, stale_after=5)
+    assert v.culprits == []
+    assert "data link" in v.reason
+
+
+def test_a_rank_that_was_frozen_blames_itself_not_its_peers():
+    v = stall_culprits(100.0, [None, 60.0, 60.0], [41, 42, 42], HOSTS, me=0, stale_after=5,
+                       suspended_s=38)
+    assert v.culprits == [0]
+    assert "this rank (studio) was itself suspended for 38s" in v.reason
+    assert "rank 1" not in v.reason
+
+
+def test_stale_is_a_threshold_not_any_delay():
+    v = stall_culprits(100.0, [None, 95.5, 94.9], [5, 5, 5], HOSTS, me=0, stale_after=5)
+    assert v.culprits == [2]
+
+
+# ---------------------------------------------------------------- real UDP sockets
+
+
+def _pair(interval: float = 0.05) -> list[Heartbeat]:
+    beats = [Heartbeat(r, ["h0", "h1"], "127.0.0.1", interval, (lambda r=r: (10 + r, f"op{r}")))
+             for r in range(2)]
+    for hb in beats:
+        hb.peers = [b.address for b in beats]
+        hb.token = beats[0].token
+    return beats
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_heartbeats_carry_progress_between_real_sockets():
+    beats = _pair()
+    try:
+        for hb in beats:
+            hb._thread.start()
+        assert _wait(lambda: all(b.last_seen[1 - b.rank] is not None for b in beats))
+        assert beats[0].progress[1] == 11 and beats[0].doing[1] == "op1"
+        assert beats[1].progress[0] == 10 and beats[1].doing[0] == "op0"
+        beats[1].close()
+        # the closed rank's heartbeat goes stale at the other one
+        assert _wait(lambda: time.monotonic() - beats[0].last_seen[1] > 0.5, timeout=5)
+    finally:
+        for hb in beats:
+            hb.close()
+
+
+def test_packets_from_outside_the_job_are_ignored():
+    beats = _pair()
+    stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        beats[0]._thread.start()
+        import json
+
+        for token in (beats[0].token, "wrong"):
+            stranger.sendto(json.dumps([token, 1, 99, "x"]).encode(), beats[0].address)
+        stranger.sendto(b"\xff garbage", beats[0].address)
+        time.sleep(0.5)
+        assert beats[0].last_seen == [None, None] and beats[0].progress == [None, None]
+    finally:
+        stranger.close()
+        for hb in beats:
+            hb.close()
+    assert beats[0].sock.fileno() == -1, "socket left open after close()"
+
+
+# ---------------------------------------------------------------- real ranks, one frozen
+
+STALL_S = 5
+
+
+def _rank_pids(mpirun_pid: int, n: int, timeout: float = 60) -> dict[int, int]:
+    """Rank -> pid of the python processes this mpirun started (OMPI_COMM_WORLD_RANK in /proc)."""
+    deadline = time.monotonic() + timeout
+    found: dict[int, int] = {}
+    while time.monotonic() < deadline and len(found) < n:
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                environ = (d / "environ").read_bytes().split(b"\0")
+                cmdline = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"mlxdist.train" not in cmdline:
+                continue
+            vars_ = dict(v.split(b"=", 1) for v in environ if b"=" in v)
+            if b"OMPI_COMM_WORLD_RANK" in vars_ and _descends_from(int(d.name), mpirun_pid):
+                found[int(vars_[b"OMPI_COMM_WORLD_RANK"])] = int(d.name)
+        time.sleep(0.2)
+    return found
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("n,frozen", [(2, 1), (2, 0), (3, 2), (3, 0)])
+def test_frozen_rank_is_named_by_the_others(tmp_path, n, frozen):
+    args = [*FAST, "train.steps=100000", "train.batch_size=2", "checkpoint.every=0",
+            "dist.sync_weights_every=0", f"dist.stall_timeout_s={STALL_S}", f"train.out_dir={tmp_path}"]
+    proc = subprocess.Popen(train_command(args, n), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env())
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(logged_steps(tmp_path)) < 3:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no training progress within 120 s"
+            time.sleep(0.1)
+        pids = _rank_pids(proc.pid, n)
+        assert sorted(pids) == list(range(n)), pids
+        os.kill(pids[frozen], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=STALL_S * 6 + 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in pids.values():  # SIGKILL ends a stopped process too; it may be gone already
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0, err[-3000:]
+    host = socket.gethostname()
+    lines = [ln for ln in err.splitlines() if "stalled" in ln]
+    assert lines, err[-3000:]
+    for line in lines:
+        m = re.search(r"mlxdist: rank (\d+) \(.*?\): stalled \d+s in [a-z -]+ \(dist.stall_timeout_s\): (.*)", line)
+        assert m, line
+        if int(m.group(1)) == frozen:  # woken by mpirun's SIGCONT before its SIGKILL
+            assert "was itself suspended" in m.group(2), line
+            continue
+        # silent since the freeze, or (when the others were already waiting for it) still
+        # heard but behind: either way the frozen rank and only it is named, with its host
+        named = {int(r) for r in re.findall(rf"rank (\d+) \({re.escape(host)}\)", m.group(2))}
+        assert named == {frozen}, line
+        assert f"no heartbeat from rank {frozen} ({host})" in line or "has not reached" in line, line
