@@ -23,11 +23,11 @@ from .controllers import Controllers
 from .data import GlobalSampler, build_datasets
 from .data.batch import BatchMaker, TokenBatch
 from .data.feed import StepFeed
+from .drift import SelfCheck, drift_verdict
 from .engine import ENGINES, make_engine, make_world, prepare_process
 from .engine.base import Engine, StepStats
 from .evaluation import Evaluator
 from .events import EventLog, Progress
-from .drift import SelfCheck, drift_verdict
 from .faults import Faults
 from .markers import announce_complete
 from .memory import MemoryReading
