@@ -403,7 +403,7 @@ class Trainer:
         from .data.hf_tokenizer import load_tokenizer
         from .data.instruct import build_jsonl_datasets
 
-        train_set, eval_set = build_jsonl_datasets(data, self.cfg.train.seed, load_tokenizer(base.path))
+        train_set, eval_set = build_jsonl_datasets(data, self.cfg.train.seed, load_tokenizer(base.path).tok)
         if self.world.is_main:
             self.report.say(train_set.stats.summary("train") + "; " + eval_set.stats.summary("eval"))
         return train_set, eval_set
