@@ -144,6 +144,16 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float32).numpy().copy()
 
 
+def _flipped(name: str) -> bool:
+    """PEFT stores LoRA factors transposed to mlx-lm's layout; checkpoints use mlx-lm's, so
+    a LoRA checkpoint moves between engines as it is."""
+    return name.endswith((".lora_a", ".lora_b"))
+
+
+def _ours(name: str, a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a.T) if _flipped(name) else a
+
+
 class TorchEngine:
     """Engine protocol (`engine/base.py`) on one torch device."""
 
@@ -259,13 +269,14 @@ class TorchEngine:
     def get_weights(self) -> dict[str, np.ndarray]:
         # Copies: on the CPU `.numpy()` would alias the live parameters, and a checkpoint
         # written in the background would then see later updates.
-        return {n: _to_numpy(p) for n, p in zip(self._names, self._params, strict=True)}
+        return {n: _ours(n, _to_numpy(p)) for n, p in zip(self._names, self._params, strict=True)}
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        check_weights({n: tuple(p.shape) for n, p in zip(self._names, self._params, strict=True)}, weights)
+        check_weights({n: tuple(p.shape)[::-1] if _flipped(n) else tuple(p.shape)
+                       for n, p in zip(self._names, self._params, strict=True)}, weights)
         with torch.no_grad():
             for name, p in zip(self._names, self._params, strict=True):
-                p.copy_(torch.from_numpy(np.asarray(weights[name], dtype=np.float32)))
+                p.copy_(torch.from_numpy(_ours(name, np.asarray(weights[name], dtype=np.float32))))
 
     def save_adapter(self, out_dir: Path) -> Path | None:
         """The trained adapter in PEFT's own layout (None when the whole model trained)."""
@@ -307,12 +318,12 @@ class TorchEngine:
         for name, p in zip(self._names, self._params, strict=True):
             st = self.opt.state.get(p, {})
             if "exp_avg" in st:
-                out[f"m.{name}"] = _to_numpy(st["exp_avg"])
-                out[f"v.{name}"] = _to_numpy(st["exp_avg_sq"])
+                out[f"m.{name}"] = _ours(name, _to_numpy(st["exp_avg"]))
+                out[f"v.{name}"] = _ours(name, _to_numpy(st["exp_avg_sq"]))
                 step = int(float(st["step"]))
             else:
-                out[f"m.{name}"] = np.zeros(tuple(p.shape), np.float32)
-                out[f"v.{name}"] = np.zeros(tuple(p.shape), np.float32)
+                out[f"m.{name}"] = _ours(name, np.zeros(tuple(p.shape), np.float32))
+                out[f"v.{name}"] = _ours(name, np.zeros(tuple(p.shape), np.float32))
         return out, step
 
     def set_optimizer_state(self, state: dict[str, np.ndarray], step: int) -> None:
@@ -327,8 +338,8 @@ class TorchEngine:
             )
             self.opt.state[p] = {
                 "step": step_t,
-                "exp_avg": self._from_numpy(state[f"m.{name}"], p),
-                "exp_avg_sq": self._from_numpy(state[f"v.{name}"], p),
+                "exp_avg": self._from_numpy(_ours(name, state[f"m.{name}"]), p),
+                "exp_avg_sq": self._from_numpy(_ours(name, state[f"v.{name}"]), p),
             }
 
     def micro_step(self, batch: TokenBatch | np.ndarray) -> None:
