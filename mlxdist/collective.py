@@ -299,4 +299,9 @@ def make_collective(world: World, backend: str, ring_connections: int = 1) -> Co
         return MLXCollective(world, mx.distributed.init(strict=True, backend="mpi"), "mlx-mpi")
     if backend == "mlx-ring":
         return MLXCollective(world, _ring_group(world, ring_connections), "mlx-ring")
+    if backend == "mlx-jaccl":
+        from . import jaccl
+
+        group = jaccl.bootstrap(world, _my_address(world), os.environ.get("MLXDIST_MLX_HOSTFILE"))
+        return MLXCollective(world, group, "mlx-jaccl")
     raise ValueError(f"dist.backend: unknown backend '{backend}'")

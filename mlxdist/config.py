@@ -324,6 +324,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.overlap: {cfg.data.overlap} must be below data.seq_len ({cfg.data.seq_len})")
     if cfg.data.source == "shards" and not cfg.data.path:
         raise ConfigError("data.path: required when data.source is 'shards' (run `python -m mlxdist.prepare` first)")
+    if cfg.dist.mode == "diloco":
+        raise ConfigError("dist.mode: diloco is not wired into the training loop yet (its algorithm is in "
+                          "mlxdist/sync/diloco.py, tested on its own); use dist.mode=ddp")
     if cfg.control.min_batch > cfg.control.max_batch:
         raise ConfigError("control.min_batch: must not exceed control.max_batch")
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
