@@ -280,6 +280,8 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
         return changed
 
     faults = Faults.from_env()
+    if faults.compute_scale != 1.0:
+        log(f"rig: {world.label} computes x{faults.compute_scale:g} slower (MLXDIST_RIG_COMPUTE_SCALE)")
     prefetch = start_prefetch()
     stop_reason = None
     stats = None
@@ -293,6 +295,7 @@ def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
             if faults.take_oom(world.rank, state.step):
                 batches = [_InjectedOOM(), *batches]
             run_share(engine, batches, shrink_after_oom)
+            faults.stretch_compute(time.perf_counter() - t_compute)  # rig: slower GPU, counted
             compute_s = time.perf_counter() - t_compute
             if faults.take_nan(state.step):
                 engine.poison_loss()
