@@ -581,6 +581,9 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
             "--prtemca", "oob_tcp_if_include", self.cidr,
             "--mca", "btl", "tcp,self",
             "--mca", "btl_tcp_if_include", self.cidr,
+            # Every host is the same machine underneath: Open MPI's default binding put
+            # each host's rank on core 0, so all ranks shared one core (measured).
+            "--bind-to", "none",
         ]
         for var in dict.fromkeys([*FORWARDED_ENV, *env]):
             if var in os.environ:
