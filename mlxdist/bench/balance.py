@@ -140,14 +140,23 @@ def main(argv: list[str] | None = None) -> int:
             how = {h: f"{q:g}% cpu" for h, q in quotas.items()}
         result["hosts_setup"] = {cluster.hostname(h): v for h, v in how.items()}
 
-        def solo(host: int) -> float:
-            run_dir = Path(tmp) / f"solo{host}"
-            cmd = [sys.executable, "-m", "mlxdist.train", *common,
-                   f"train.steps={args.solo_steps}", f"train.out_dir={run_dir}"]
-            res = cluster.run(host, cmd, capture_output=True, text=True,
-                              timeout=args.timeout, cwd=REPO)
-            _check(res, f"solo run on host {host}")
-            return steady_rate(read_events(run_dir), args.skip)
+        def solos(tag: str) -> list[float]:
+            """Every host alone, all at once: each faces the same contention for this
+            machine's cores as in the cluster runs, which a real Mac would not."""
+            procs = []
+            for h in range(1, n + 1):
+                run_dir = Path(tmp) / f"solo-{tag}-{h}"
+                cmd = [sys.executable, "-m", "mlxdist.train", *common,
+                       f"train.steps={args.solo_steps}", f"train.out_dir={run_dir}"]
+                procs.append((h, run_dir, cluster.popen(h, cmd, stdout=subprocess.PIPE,
+                                                        stderr=subprocess.STDOUT, text=True, cwd=REPO)))
+            rates = []
+            for h, run_dir, proc in procs:
+                out, _ = proc.communicate(timeout=args.timeout)
+                _check(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""),
+                       f"solo run on host {h}")
+                rates.append(steady_rate(read_events(run_dir), args.skip))
+            return rates
 
         def together(name: str, balance: bool) -> list[dict]:
             run_dir = Path(tmp) / name
@@ -160,17 +169,22 @@ def main(argv: list[str] | None = None) -> int:
             _check(res, f"{n}-rank run ({name})")
             return read_events(run_dir)
 
-        solos = [solo(h) for h in range(1, n + 1)]
-        ideal = sum(solos)
-        print("solo: " + ", ".join(f"host {h} ({how[h]}) {r:.1f}" for h, r in
-                                   zip(range(1, n + 1), solos, strict=True))
-              + f" samples/s; ideal (sum) {ideal:.1f} samples/s", flush=True)
+        before = solos("before")
         equal_events = together("equal", balance=False)
         equal = steady_rate(equal_events, args.skip)
         equal_shares = [e for e in equal_events if e["event"] == "step"][-1]["shares"]
+        bal_events = together("balanced", balance=True)
+        after = solos("after")
+        # Load from other jobs drifts over minutes: the ideal is the mean of solo rates
+        # taken before and after the cluster runs, and both are printed.
+        solo_rates = [(a + b) / 2 for a, b in zip(before, after, strict=True)]
+        ideal = sum(solo_rates)
+        print("solo: " + ", ".join(f"host {h} ({how[h]}) {b:.1f} before, {a:.1f} after"
+                                   for h, b, a in zip(range(1, n + 1), before, after, strict=True))
+              + f" samples/s; ideal (sum of means) {ideal:.1f} samples/s "
+              f"(before {sum(before):.1f}, after {sum(after):.1f})", flush=True)
         print(f"equal split: {equal:.1f} samples/s = {equal / ideal:.3f} of ideal "
               f"(shares {equal_shares})", flush=True)
-        bal_events = together("balanced", balance=True)
         balanced = steady_rate(bal_events, args.balance_skip)
         steps = [e for e in bal_events if e["event"] == "step"]
         changes = [e for e in bal_events if e["event"] == "balance"]
@@ -178,12 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"balanced: {balanced:.1f} samples/s = {balanced / ideal:.3f} of ideal "
               f"(target >= 0.95); {balanced / equal:.2f}x the equal split", flush=True)
         final = steps[-1]["shares"]
-        want = [round(g * r / ideal, 1) for r in solos]
+        want = [round(g * r / ideal, 1) for r in solo_rates]
         kept = steps[args.balance_skip:]
         sync = statistics.median(e["sync_s"] / e["step_s"] for e in kept) if kept else 0.0
         print(f"final shares {final} of {g} (proportional to solo speed: {want}); "
               f"{len(changes)} change(s): {history or 'none'}; sync {sync:.1%} of a step")
-        result |= {"solo": solos, "ideal": ideal, "equal": equal, "equal_ratio": equal / ideal,
+        result |= {"solo_before": before, "solo_after": after, "ideal": ideal, "equal": equal, "equal_ratio": equal / ideal,
                    "balanced": balanced, "balanced_ratio": balanced / ideal,
                    "final_shares": final, "proportional": want,
                    "changes": [{"step": e["step"], "old": e["old"], "new": e["new"]} for e in changes],
