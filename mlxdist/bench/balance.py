@@ -1,9 +1,9 @@
 """Load-balancing benchmark: does `control.balance` recover the throughput a slow rank wastes?
 
 N namespace hosts (default 2), the last one slowed 2x, train the same fixed global batch
-three ways in one invocation: each host alone (its solo rate), all together with the
-equal split, and all together with the balancer on. The ideal is the sum of the solo
-rates (no rank ever waits); balancing is worth having if it gets close to that while the
+in one invocation: every host alone (all at once, before and after the rest: its solo
+rate), all together with the equal split, and all together with the balancer on. The
+ideal is the sum of the solo rates (no rank ever waits); balancing is worth having if it gets close to that while the
 equal split is held to N times the slow host's rate. Everything runs side by side in one
 process run, because only ratios measured together mean anything on a shared machine.
 
