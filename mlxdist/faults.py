@@ -4,11 +4,15 @@ real multi-process run drift, blow up, or run out of memory on cue.
   MLXDIST_INJECT_DRIFT=RANK:STEP   perturb RANK's weights after STEP (once)
   MLXDIST_INJECT_NAN=S1,S2,...     non-finite loss at those steps (each fires once)
   MLXDIST_INJECT_OOM=RANK:STEP     RANK's first micro-batch of STEP raises MemoryError (once)
+  MLXDIST_RIG_COMPUTE_SCALE=X      this process computes X times slower (X >= 1); set per host
+                                   by `simcluster slow HOST --compute X`, never in production
 """
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from dataclasses import dataclass, field
 
 
@@ -20,17 +24,52 @@ def _rank_step(name: str) -> tuple[int, int]:
     return int(rank), int(step)
 
 
+COMPUTE_SCALE_VAR = "MLXDIST_RIG_COMPUTE_SCALE"
+
+
+def compute_scale_from_env() -> float:
+    """The rig's stand-in for a slower GPU: 1.0 (no slowdown) unless the variable is set.
+
+    A bad value is an error rather than 1.0: a benchmark that silently ran unslowed
+    would report a balancer that had nothing to balance.
+    """
+    spec = os.environ.get(COMPUTE_SCALE_VAR, "").strip()
+    if not spec:
+        return 1.0
+    try:
+        scale = float(spec)
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale >= 1.0):
+        raise ValueError(f"{COMPUTE_SCALE_VAR}={spec!r} must be a number >= 1 "
+                         "(set it with `simcluster slow HOST --compute X`, or unset it)")
+    return scale
+
+
 @dataclass
 class Faults:
     drift: tuple[int, int] = (-1, -1)
     oom: tuple[int, int] = (-1, -1)
     nan_steps: set[int] = field(default_factory=set)
+    compute_scale: float = 1.0
 
     @classmethod
     def from_env(cls) -> Faults:
         nan = os.environ.get("MLXDIST_INJECT_NAN", "")
         return cls(_rank_step("MLXDIST_INJECT_DRIFT"), _rank_step("MLXDIST_INJECT_OOM"),
-                   {int(s) for s in nan.split(",") if s.strip()})
+                   {int(s) for s in nan.split(",") if s.strip()}, compute_scale_from_env())
+
+    def stretch_compute(self, compute_s: float) -> float:
+        """Sleep so this rank's compute takes `compute_scale` times as long; returns the
+        seconds slept.
+
+        Sleeping, not spinning: a slower Mac has a slower GPU, while its CPU stays free to
+        drive the network, which a CPU quota (the harsher rig mode) does not model.
+        """
+        extra = (self.compute_scale - 1.0) * compute_s
+        if extra > 0:
+            time.sleep(extra)
+        return max(extra, 0.0)
 
     def take_nan(self, step: int) -> bool:
         if step in self.nan_steps:

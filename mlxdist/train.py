@@ -136,6 +136,9 @@ class Trainer:
             self.report.say(warning)
         if w.is_main:
             self._banner(backend, len(train_set))
+        if self.faults.compute_scale != 1.0:
+            self.report.say(f"rig: {w.label} computes x{self.faults.compute_scale:g} slower "
+                            "(MLXDIST_RIG_COMPUTE_SCALE)")
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -185,6 +188,7 @@ class Trainer:
                 if not isinstance(e, MemoryError) and not _looks_like_oom(e):
                     raise
                 batches = self._shrink_after_oom(e, [b for b in batches if not isinstance(b, _InjectedOOM)])
+        self.faults.stretch_compute(time.perf_counter() - t0)  # rig only: a slower GPU, counted as compute
         compute_s = time.perf_counter() - t0
         if self.faults.take_nan(self.state.step):
             self.engine.poison_loss()

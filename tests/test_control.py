@@ -262,14 +262,76 @@ def test_balancer_settles_after_converging():
 
 
 def test_balancer_warmup_interval_and_min_share():
-    bal = LoadBalancer(96, 2, warmup=2, interval=3)
+    bal = LoadBalancer(96, 2, warmup=2, interval=3, min_observations=1)
     assert bal.observe(0, [48, 48], [0.1, 0.9]) is None  # warmup: compile time
     assert bal.observe(1, [48, 48], [0.1, 0.9]) is None
     assert bal.rates == [None, None]
     assert bal.observe(2, [48, 48], [0.1, 0.9]) is None  # step 2 not on the interval
     assert bal.observe(3, [48, 48], [0.1, 0.9]) is not None
-    lopsided = LoadBalancer(96, 2, warmup=0, min_share=8)
+    lopsided = LoadBalancer(96, 2, warmup=0, min_share=8, min_observations=1)
     assert lopsided.observe(0, [48, 48], [0.001, 100.0]) == [88, 8]
+
+
+def test_balancer_waits_for_enough_readings():
+    bal = LoadBalancer(96, 2, warmup=0, window=5, min_observations=3)
+    assert bal.observe(1, [48, 48], [0.1, 0.2]) is None
+    assert bal.observe(2, [48, 48], [0.1, 0.2]) is None
+    assert bal.observe(3, [48, 48], [0.1, 0.2]) == [64, 32]
+
+
+def test_balancer_median_ignores_spikes():
+    """Every 4th step one rank stalls 5x (a neighbour's burst, a GC): with equal true
+    speeds the split must not move; the old EMA moved it at the first spike."""
+    bal = LoadBalancer(96, 2, warmup=0, hysteresis=0.05)
+    rng = random.Random(3)
+    for step in range(1, 200):
+        spike = 5.0 if step % 4 == 0 else 1.0
+        secs = [0.48 * (1 + rng.uniform(-0.03, 0.03)), 0.48 * spike * (1 + rng.uniform(-0.03, 0.03))]
+        assert bal.observe(step, bal.shares, secs) is None, step
+    assert bal.rates[1] == pytest.approx(100.0, rel=0.05)
+
+
+def _alternating(bal: LoadBalancer, steps: int, block: int, factor: float) -> list[list[int]]:
+    """Equal true speeds; rank 1 reads `factor` slower, then `factor` faster, in blocks."""
+    splits = [bal.shares]
+    for step in range(1, steps + 1):
+        f = factor if (step // block) % 2 == 0 else 1 / factor
+        secs = [bal.shares[0] / 100.0, bal.shares[1] / 100.0 * f]
+        if bal.observe(step, bal.shares, secs) is not None:
+            splits.append(bal.shares)
+    return splits
+
+
+def test_balancer_never_flips_back_under_alternating_noise():
+    bal = LoadBalancer(96, 2, warmup=1, hysteresis=0.05)
+    splits = _alternating(bal, steps=300, block=8, factor=1.12)
+    assert len(splits) <= 2, splits  # at most one move, then it holds
+    # Same input without the return margin: it ping-pongs, so the margin is what holds it.
+    naive = LoadBalancer(96, 2, warmup=1, hysteresis=0.05, return_margin=1.0)
+    flips = _alternating(naive, steps=300, block=8, factor=1.12)
+    assert len(flips) > 10 and len({tuple(f) for f in flips[3:]}) == 2, flips
+
+
+def test_balancer_follows_a_real_change_after_settling():
+    """A host that really becomes 3x slower is followed, even back toward an old split."""
+    bal = LoadBalancer(96, 2, warmup=1)
+    simulate(bal, [200.0, 100.0], steps=30, noise=0.03)
+    assert bal.shares == pytest.approx([64, 32], abs=1)
+    simulate(bal, [100.0, 300.0], steps=30, noise=0.03, seed=1)
+    assert bal.shares == pytest.approx([24, 72], abs=1)
+
+
+def test_balancer_loads_old_ema_checkpoints():
+    old = {"shares": [60, 36], "rates": [120.0, 70.0], "settle": 0, "changes": 2}
+    bal = LoadBalancer(96, 2)
+    bal.load_state_dict(roundtrip(old))
+    assert bal.shares == [60, 36] and bal.rates == [120.0, 70.0] and bal.changes == 2
+    bare = LoadBalancer(96, 2, warmup=2)
+    bare.load_state_dict({"shares": [50, 46]})
+    assert bare.shares == [50, 46] and bare.rates == [None, None] and bare.changes == 0
+    assert bare.state_dict()["settle"] == 2
+    with pytest.raises(ValueError, match="summing to 96"):
+        bare.load_state_dict({"shares": [50, 40]})
 
 
 def test_balancer_ignores_bad_timings():
@@ -302,6 +364,8 @@ def test_balancer_rejects_bad_config():
         LoadBalancer(96, 2, initial_shares=[50, 40])
     with pytest.raises(ValueError):
         LoadBalancer(96, 2).observe(0, [48], [0.1])
+    with pytest.raises(ValueError, match="min_observations"):
+        LoadBalancer(96, 2, window=3, min_observations=4)
 
 
 # ---------------------------------------------------------------- health

@@ -1,14 +1,24 @@
 """Load-balancing benchmark: does `control.balance` recover the throughput a slow rank wastes?
 
-Two namespace hosts, one with its CPU quota halved, train the same fixed global batch
-three ways in one invocation: each host alone (its solo rate), both with the equal split,
-and both with the balancer on. The ideal for two ranks is the sum of the solo rates (no
-rank ever waits); balancing is worth having if it gets close to that while the equal split
-is held to twice the slow host's rate. Everything runs side by side in one process run,
-because only ratios measured together mean anything on a shared machine.
+N namespace hosts (default 2), the last one slowed 2x, train the same fixed global batch
+in one invocation: every host alone (all at once, before and after the rest: its solo
+rate), all together with the equal split, and all together with the balancer on. The
+ideal is the sum of the solo rates (no rank ever waits); balancing is worth having if it gets close to that while the
+equal split is held to N times the slow host's rate. Everything runs side by side in one
+process run, because only ratios measured together mean anything on a shared machine.
+
+Two ways to slow a host (`--mode`):
+  compute (default)  the host's forward/backward takes X times as long, its CPU stays free
+                     (`simcluster slow --compute X`): a Mac with a slower GPU. Every host is
+                     stretched by a base factor too, so all ranks together need about one
+                     of this machine's cores and neighbours' load disturbs them less.
+  cpu                CFS quotas (`simcluster slow --cpu P`): communication and Open MPI's
+                     busy-wait are throttled too, so a fast host waiting for a slow one
+                     burns its own quota; harsher than any real Mac, kept as a stress case.
 
     python -m mlxdist.bench balance
-    python -m mlxdist.bench.balance --steps 60 --global-batch 48
+    python -m mlxdist.bench balance --hosts 3
+    python -m mlxdist.bench balance --mode cpu --steps 60 --json out.json
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,20 +83,33 @@ def _check(res: subprocess.CompletedProcess, what: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench balance", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=45, help="steps of the two-rank runs")
+    p.add_argument("--hosts", type=int, default=2, help="namespace hosts; the last one is slowed")
+    p.add_argument("--mode", choices=("compute", "cpu"), default="compute")
+    p.add_argument("--slow-factor", type=float, default=2.0,
+                   help="compute mode: how many times slower the last host computes")
+    p.add_argument("--base-scale", type=float, default=None,
+                   help="compute mode: stretch of every host's compute (default (hosts+1)/2, "
+                        "so the cluster needs about one core whatever its size)")
+    p.add_argument("--global-batch", type=int, default=None, help="default 24 x hosts")
+    p.add_argument("--steps", type=int, default=45, help="steps of the cluster runs")
     p.add_argument("--solo-steps", type=int, default=14)
     p.add_argument("--skip", type=int, default=4, help="warmup steps left out of solo/equal rates")
     p.add_argument("--balance-skip", type=int, default=20,
                    help="steps left out of the balanced rate: warmup plus the balancer settling")
-    # Both quotas well under a core: on a small shared machine an uncapped or 100% host
-    # gets whatever its neighbours leave, so the 2x speed gap would not be what we set.
-    p.add_argument("--fast-cpu", type=float, default=60.0, help="host 1 quota, %% of a core")
-    p.add_argument("--slow-cpu", type=float, default=30.0, help="host 2 quota, %% of a core")
+    # Quotas well under a core: on a small shared machine an uncapped or 100% host gets
+    # whatever its neighbours leave, so the 2x speed gap would not be what we set.
+    p.add_argument("--fast-cpu", type=float, default=60.0, help="cpu mode: quota of the other hosts, %% of a core")
+    p.add_argument("--slow-cpu", type=float, default=30.0, help="cpu mode: quota of the last host, %% of a core")
     p.add_argument("--subnet", default="10.77.41")
-    p.add_argument("--timeout", type=float, default=240.0, help="seconds per launch")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    p.add_argument("--json", help="also write the numbers to this file")
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = p.parse_args(argv)
+    n = args.hosts
+    if n < 2:
+        p.error("--hosts must be >= 2")
+    if args.slow_factor < 1 or (args.base_scale is not None and args.base_scale < 1):
+        p.error("--slow-factor and --base-scale must be >= 1")
 
     from ..rig.simcluster import SimCluster, available
 
@@ -93,50 +117,74 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"bench balance: cannot build namespace hosts: {why}", file=sys.stderr)
         return 2
-    g = args.global_batch
+    g = args.global_batch or 24 * n
+    base = args.base_scale if args.base_scale is not None else (n + 1) / 2
     # One micro-batch per rank whatever the split: accumulation would add per-micro-batch
     # overhead that depends on the share and blur the speed the balancer measures.
     common = [*BASE, f"train.batch_size={g}", f"train.global_batch={g}", *args.overrides]
     _set_env()
     t_start = time.perf_counter()
+    result: dict = {"hosts": n, "mode": args.mode, "global_batch": g, "steps": args.steps}
     with tempfile.TemporaryDirectory(prefix="mlxbal-") as tmp, SimCluster(
-        2, name="mlxbal", subnet=args.subnet, state_dir=Path(tmp) / "cluster"
+        n, name="mlxbal", subnet=args.subnet, state_dir=Path(tmp) / "cluster"
     ) as cluster:
-        cluster.slow(1, args.fast_cpu)
-        cluster.slow(2, args.slow_cpu)
+        if args.mode == "compute":
+            speeds = {h: base for h in range(1, n)} | {n: base * args.slow_factor}
+            for h, x in speeds.items():
+                cluster.slow_compute(h, x)
+            how = {h: f"compute x{x:g}" for h, x in speeds.items()}
+        else:
+            quotas = {h: args.fast_cpu for h in range(1, n)} | {n: args.slow_cpu}
+            for h, q in quotas.items():
+                cluster.slow(h, q)
+            how = {h: f"{q:g}% cpu" for h, q in quotas.items()}
+        result["hosts_setup"] = {cluster.hostname(h): v for h, v in how.items()}
 
-        def solo(host: int) -> float:
-            run_dir = Path(tmp) / f"solo{host}"
-            cmd = [sys.executable, "-m", "mlxdist.train", *common,
-                   f"train.steps={args.solo_steps}", f"train.out_dir={run_dir}"]
-            res = cluster.run(host, cmd, capture_output=True, text=True,
-                              timeout=args.timeout, cwd=REPO)
-            _check(res, f"solo run on host {host}")
-            return steady_rate(read_events(run_dir), args.skip)
+        def solos(tag: str) -> list[float]:
+            """Every host alone, all at once: each faces the same contention for this
+            machine's cores as in the cluster runs, which a real Mac would not."""
+            procs = []
+            for h in range(1, n + 1):
+                run_dir = Path(tmp) / f"solo-{tag}-{h}"
+                cmd = [sys.executable, "-m", "mlxdist.train", *common,
+                       f"train.steps={args.solo_steps}", f"train.out_dir={run_dir}"]
+                procs.append((h, run_dir, cluster.popen(h, cmd, stdout=subprocess.PIPE,
+                                                        stderr=subprocess.STDOUT, text=True, cwd=REPO)))
+            rates = []
+            for h, run_dir, proc in procs:
+                out, _ = proc.communicate(timeout=args.timeout)
+                _check(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""),
+                       f"solo run on host {h}")
+                rates.append(steady_rate(read_events(run_dir), args.skip))
+            return rates
 
-        def pair(name: str, balance: bool) -> list[dict]:
+        def together(name: str, balance: bool) -> list[dict]:
             run_dir = Path(tmp) / name
-            cmd = [find_mpirun(), *cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", "2",
+            cmd = [find_mpirun(), *cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", str(n),
                    sys.executable, "-m", "mlxdist.train", *common,
                    f"train.steps={args.steps}", f"train.out_dir={run_dir}",
                    f"control.balance={'true' if balance else 'false'}"]
             res = subprocess.run(cmd, capture_output=True, text=True,
                                  timeout=args.timeout, cwd=REPO)
-            _check(res, f"two-rank run ({name})")
+            _check(res, f"{n}-rank run ({name})")
             return read_events(run_dir)
 
-        fast = solo(1)
-        slow = solo(2)
-        ideal = fast + slow
-        print(f"solo: host 1 ({args.fast_cpu:g}% cpu) {fast:.1f} samples/s, "
-              f"host 2 ({args.slow_cpu:g}% cpu) {slow:.1f} samples/s; speed ratio "
-              f"{fast / slow:.2f}; ideal (sum) {ideal:.1f} samples/s", flush=True)
-        equal_events = pair("equal", balance=False)
+        before = solos("before")
+        equal_events = together("equal", balance=False)
         equal = steady_rate(equal_events, args.skip)
         equal_shares = [e for e in equal_events if e["event"] == "step"][-1]["shares"]
+        bal_events = together("balanced", balance=True)
+        after = solos("after")
+        # Load from other jobs drifts over minutes: the ideal is the mean of solo rates
+        # taken before and after the cluster runs, and both are printed.
+        solo_rates = [(a + b) / 2 for a, b in zip(before, after, strict=True)]
+        ideal = sum(solo_rates)
+        print("solo: " + ", ".join(f"host {h} ({how[h]}) {b:.1f} before, {a:.1f} after"
+                                   for h, b, a in zip(range(1, n + 1), before, after, strict=True))
+              + f" samples/s; ideal (sum of means) {ideal:.1f} samples/s "
+              f"(before {sum(before):.1f}, after {sum(after):.1f})", flush=True)
         print(f"equal split: {equal:.1f} samples/s = {equal / ideal:.3f} of ideal "
               f"(shares {equal_shares})", flush=True)
-        bal_events = pair("balanced", balance=True)
         balanced = steady_rate(bal_events, args.balance_skip)
         steps = [e for e in bal_events if e["event"] == "step"]
         changes = [e for e in bal_events if e["event"] == "balance"]
@@ -144,10 +192,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"balanced: {balanced:.1f} samples/s = {balanced / ideal:.3f} of ideal "
               f"(target >= 0.95); {balanced / equal:.2f}x the equal split", flush=True)
         final = steps[-1]["shares"]
-        want = [round(g * fast / ideal, 1), round(g * slow / ideal, 1)]
+        want = [round(g * r / ideal, 1) for r in solo_rates]
+        kept = steps[args.balance_skip:]
+        sync = statistics.median(e["sync_s"] / e["step_s"] for e in kept) if kept else 0.0
         print(f"final shares {final} of {g} (proportional to solo speed: {want}); "
-              f"{len(changes)} change(s): {history or 'none'}")
-    print(f"bench balance: {time.perf_counter() - t_start:.0f} s in all")
+              f"{len(changes)} change(s): {history or 'none'}; sync {sync:.1%} of a step")
+        result |= {"solo_before": before, "solo_after": after, "ideal": ideal, "equal": equal, "equal_ratio": equal / ideal,
+                   "balanced": balanced, "balanced_ratio": balanced / ideal,
+                   "final_shares": final, "proportional": want,
+                   "changes": [{"step": e["step"], "old": e["old"], "new": e["new"]} for e in changes],
+                   "sync_fraction": sync}
+    result["seconds"] = time.perf_counter() - t_start
+    result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"bench balance: {result['seconds']:.0f} s in all; load average {result.get('load_avg')}")
     return 0
 
 

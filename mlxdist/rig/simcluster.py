@@ -37,6 +37,8 @@ CGROUP_V2_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "mlxdist-simcluster"
 ETC_NETNS = Path("/etc/netns")
 CFS_PERIOD_US = 100_000
+# Read by mlxdist.faults in every process started on a host slowed with `--compute`.
+COMPUTE_SCALE_VAR = "MLXDIST_RIG_COMPUTE_SCALE"
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,30}$")
 # ssh options that take a value; the stand-in must drop the value with the option.
@@ -395,17 +397,27 @@ class SimCluster:
         self.hostfile.write_text(
             "".join(f"{self.ip(h)} slots={self.slots}\n" for h in self.hosts)
         )
-        self.ssh_agent.write_text(self._agent_script())
-        self.ssh_agent.chmod(0o755)
+        self._write_agent()
+
+    def _write_agent(self) -> None:
+        # Replaced by rename: an mpirun starting now reads either the old or the new one.
+        tmp = self.ssh_agent.with_name(self.ssh_agent.name + ".tmp")
+        tmp.write_text(self._agent_script())
+        tmp.chmod(0o755)
+        tmp.replace(self.ssh_agent)
+
+    def compute_scale(self, host: str | int) -> float | None:
+        return self._host_state.get(self.hostname(host), {}).get("compute_scale")
 
     def _agent_script(self) -> str:
         cases = []
         for h in self.hosts:
             cg = self.cgroup_dir(h)
             procs = str(cg / "cgroup.procs") if cg else "/dev/null"
+            scale = self.compute_scale(h)
             cases.append(
                 f"  {h}|{self.ip(h)}|{self.netns(h)}) ns={self.netns(h)}; name={h}; "
-                f"cg={shlex.quote(procs)};;"
+                f"cg={shlex.quote(procs)}; scale={'' if scale is None else repr(float(scale))};;"
             )
         # The venv's bin goes first on PATH so `prted` is found even when mpirun was
         # started by absolute path from a shell without the venv activated.
@@ -431,6 +443,10 @@ PATH={shlex.quote(venv_bin)}:$PATH
 export PATH
 # Join the host's CPU cgroup here: `ip netns exec` remounts /sys, hiding cgroupfs.
 echo $$ 2>/dev/null >"$cg"
+# Rig-only compute slowdown (`simcluster slow HOST --compute X`): the daemon started
+# here passes its environment on to the ranks it starts on this host.
+if [ -n "$scale" ]; then {COMPUTE_SCALE_VAR}=$scale; export {COMPUTE_SCALE_VAR}
+else unset {COMPUTE_SCALE_VAR}; fi
 exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$*"' \\
   simcluster "$name" "$@"
 """
@@ -571,12 +587,15 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         its hostname, its CPU cgroup."""
         cg = self.cgroup_dir(host)
         procs = str(cg / "cgroup.procs") if cg else "/dev/null"
+        scale = self.compute_scale(host)
+        rig_env = (["env", "-u", COMPUTE_SCALE_VAR] if scale is None
+                   else ["env", f"{COMPUTE_SCALE_VAR}={float(scale)!r}"])
         # The cgroup is joined before `ip netns exec`, which remounts /sys.
         return [
             "/bin/sh", "-c", 'echo $$ 2>/dev/null >"$1"; shift; exec "$@"', "simcluster",
             procs, "ip", "netns", "exec", self.netns(host), "unshare", "--uts",
             "/bin/sh", "-c", 'hostname "$1"; shift; exec "$@"',
-            "simcluster", self.hostname(host), *argv,
+            "simcluster", self.hostname(host), *rig_env, *argv,
         ]
 
     def run(self, host: str | int, argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess:
@@ -654,6 +673,23 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
             with contextlib.suppress(OSError):
                 (cg / "cgroup.procs").write_text(str(pid))
         self._host_state[self.hostname(host)]["cpu_percent"] = cpu_percent
+        self._save_state()
+
+    def slow_compute(self, host: str | int, scale: float | None) -> None:
+        """Make the host compute `scale` times slower with its CPU left free (None: normal).
+
+        Rig-only: processes started on the host later get MLXDIST_RIG_COMPUTE_SCALE, and
+        the training loop sleeps (scale - 1) x its forward/backward time after each one.
+        That models a slower GPU, whose CPU still drives the network at full speed; a CPU
+        quota (`slow`) also slows every collective and Open MPI's busy-wait eats it, the
+        harsher and less Mac-like case. Running processes keep the scale they started with.
+        """
+        if scale is not None and not (scale >= 1.0 and scale < float("inf")):
+            raise ValueError(f"compute scale {scale} must be a finite number >= 1")
+        self._host_state[self.hostname(host)]["compute_scale"] = (
+            None if scale is None else float(scale))
+        if self._is_up:
+            self._write_agent()
         self._save_state()
 
     def shape(
@@ -758,7 +794,9 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
                 **self._host_state.get(h, {}),
             }
         return {"name": self.name, "bridge": self.bridge, "subnet": self.cidr,
-                "cgroup": _cgroup_mode(), "hosts": hosts}
+                "cgroup": _cgroup_mode(), "hosts": hosts,
+                "rig_only": {"compute_scale": f"{COMPUTE_SCALE_VAR} in the host's processes: "
+                             "mlxdist sleeps (scale-1) x compute time, a slower GPU, CPU free"}}
 
     def example_command(self, np: int | None = None) -> str:
         mpirun = shutil.which("mpirun") or "mpirun"
@@ -826,9 +864,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cmd, what in (("kill", "kill all processes on HOST"), ("cut", "unplug HOST"),
                       ("heal", "plug HOST back in")):
         add(cmd, help=what).add_argument("host", help="name, IP or index")
-    sl = add("slow", help="cap a host's CPU (percent of one core)")
+    sl = add("slow", help="slow a host: CPU quota and/or rig-only compute scale; "
+             "neither option: lift both")
     sl.add_argument("host")
-    sl.add_argument("--cpu", type=float, help="percent of one core; omit to lift")
+    sl.add_argument("--cpu", type=float,
+                    help="percent of one core (harsher: also slows its communication)")
+    sl.add_argument("--compute", type=float, metavar="X",
+                    help="compute X times slower, CPU left free (a slower GPU; rig-only, "
+                         "for processes started later)")
     sh = add("shape", help="set a host's link rate/delay (none: clear)")
     sh.add_argument("host")
     sh.add_argument("--rate")
@@ -873,7 +916,10 @@ def _cli_run(args: argparse.Namespace) -> int:
     elif args.cmd == "heal":
         c.heal(args.host)
     elif args.cmd == "slow":
-        c.slow(args.host, args.cpu)
+        if args.cpu is not None or args.compute is None:
+            c.slow(args.host, args.cpu)
+        if args.compute is not None or args.cpu is None:
+            c.slow_compute(args.host, args.compute)
     elif args.cmd == "shape":
         c.shape(args.host, args.rate, args.delay)
     return 0
