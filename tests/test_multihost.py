@@ -312,31 +312,6 @@ def test_lost_host_is_a_failure(cluster3: SimCluster, tmp_path: Path, host: int)
     assert _leftovers(cluster3) == {}
 
 
-def test_cut_link_ends_in_stall_time_and_leaves_nothing(cluster3: SimCluster, tmp_path: Path) -> None:
-    job = _mlxrun_job(cluster3, tmp_path)
-    try:
-        _until_steps(job, tmp_path)
-        t0 = time.monotonic()
-        cluster3.cut(3)
-        code = job.wait(STALL_S + MARGIN_S)
-        took = time.monotonic() - t0
-        left = _leftovers(cluster3, wait=0)  # before the cable is back: nothing may wait for it
-    finally:
-        cluster3.heal(3)
-        job.kill()
-        # The next test needs the cable really back (a fresh bridge port takes a moment).
-        deadline = time.monotonic() + 20
-        while not cluster3.reachable(3, 1) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    out = job.out
-    assert code == 3, f"exit {code} after {took:.0f}s:\n{out[-3000:]}"
-    # Watchdog (stall timeout + its 1 s tick), mpirun's grace (3 s + 1 s), cleanup: ~STALL_S + 6 s
-    # unloaded; the bound leaves room for a busy machine. Before: only once the link healed.
-    assert took < STALL_S + 20, f"took {took:.1f}s"
-    assert re.search(r"stalled \d+s in [a-z -]+", out)
-    assert left == {}, f"left running with the link still cut: {left}"
-
-
 def test_ctrl_c_to_mlxrun_saves_at_one_step(cluster3: SimCluster, tmp_path: Path) -> None:
     job = _mlxrun_job(cluster3, tmp_path)
     try:
@@ -428,3 +403,30 @@ def test_mlxrun_hostfile_reaches_namespace_hosts(cluster3: SimCluster, tmp_path:
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and f"hostfile {stray}: host '10.79.0.9' cannot run commands" in res.stderr, \
         res.stderr
+
+
+# Last in the module: a host whose link was cut and healed can fail its next daemon start
+# for a while (seen once under load: 'A daemon failed to report back' on the healed host).
+def test_cut_link_ends_in_stall_time_and_leaves_nothing(cluster3: SimCluster, tmp_path: Path) -> None:
+    job = _mlxrun_job(cluster3, tmp_path)
+    try:
+        _until_steps(job, tmp_path)
+        t0 = time.monotonic()
+        cluster3.cut(3)
+        code = job.wait(STALL_S + MARGIN_S)
+        took = time.monotonic() - t0
+        left = _leftovers(cluster3, wait=0)  # before the cable is back: nothing may wait for it
+    finally:
+        cluster3.heal(3)
+        job.kill()
+        # The next test needs the cable really back (a fresh bridge port takes a moment).
+        deadline = time.monotonic() + 20
+        while not cluster3.reachable(3, 1) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    out = job.out
+    assert code == 3, f"exit {code} after {took:.0f}s:\n{out[-3000:]}"
+    # Watchdog (stall timeout + its 1 s tick), mpirun's grace (3 s + 1 s), cleanup: ~STALL_S + 6 s
+    # unloaded; the bound leaves room for a busy machine. Before: only once the link healed.
+    assert took < STALL_S + 20, f"took {took:.1f}s"
+    assert re.search(r"stalled \d+s in [a-z -]+", out)
+    assert left == {}, f"left running with the link still cut: {left}"
