@@ -34,7 +34,8 @@ LABELS = {"mlx-lm": "mlx-lm tuner.train", "mlxdist": "mlxdist (mlx)",
 
 
 def make_rows(n: int, words: int) -> list[dict]:
-    """Instruction rows whose completions outgrow the window, so every trainer fills it."""
+    """Instruction rows whose completions outgrow the window, so every trainer fills it. The chat
+    template's system prompt takes about 40 tokens: below seq 48 the loss sees no answer token."""
     topics = ["rivers", "bread", "clocks", "bees", "trains", "maps", "tea", "ships"]
     rows = []
     for i in range(n):
