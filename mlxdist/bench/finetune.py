@@ -8,8 +8,8 @@ plain Adam, no clipping, no weight decay, so the step does the same work.
 Each trainer runs in its own process: peak memory is then the trainer's alone (MLX: the
 allocator's peak during training; torch on CPU: the process's peak RSS, as our engine reports
 it). Rounds alternate which side goes first, because the machine is shared and noisy: only
-ratios measured side by side mean anything. Tokens/s is batch x seq_len per step over the
-steps after the warm-up ones (which carry compilation), each trainer timed by its own loop.
+ratios measured side by side mean anything. Tokens/s is batch x seq_len over the median (and
+the best) step after the warm-up ones, each trainer timed by its own loop.
 """
 
 from __future__ import annotations
@@ -34,14 +34,16 @@ LABELS = {"mlx-lm": "mlx-lm tuner.train", "mlxdist": "mlxdist (mlx)",
 
 
 def make_rows(n: int, words: int) -> list[dict]:
-    """Instruction rows whose completions outgrow the window, so every trainer fills it. The chat
-    template's system prompt takes about 40 tokens: below seq 48 the loss sees no answer token."""
+    """Chat rows whose answers outgrow the window, so every trainer fills it with the same tokens:
+    all three render them with the model's chat template and train the answer only. The template's
+    system prompt and question take 40 tokens: at seq 40 or less no answer token is trained."""
     topics = ["rivers", "bread", "clocks", "bees", "trains", "maps", "tea", "ships"]
     rows = []
     for i in range(n):
         t = topics[i % len(topics)]
         body = " ".join(f"Fact {k} about {t}: they matter to people in town number {i + k}." for k in range(words // 10 + 1))
-        rows.append({"prompt": f"Tell me about {t}, item {i}.", "completion": " " + body})
+        rows.append({"messages": [{"role": "user", "content": f"Tell me about {t}, item {i}."},
+                                  {"role": "assistant", "content": body}]})
     return rows
 
 
@@ -55,7 +57,7 @@ def _worker_mlx_lm(hf: str, data: Path, s: dict, out: Path) -> dict:
     import mlx.optimizers as optim
     import mlx_lm
     from mlx_lm.tuner.callbacks import TrainingCallback
-    from mlx_lm.tuner.datasets import CacheDataset, CompletionsDataset
+    from mlx_lm.tuner.datasets import CacheDataset, ChatDataset
     from mlx_lm.tuner.trainer import TrainingArgs, train
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
@@ -66,7 +68,7 @@ def _worker_mlx_lm(hf: str, data: Path, s: dict, out: Path) -> dict:
     linear_to_lora_layers(model, s["layers"], {"rank": s["rank"], "scale": s["alpha"] / s["rank"],
                                                "dropout": 0.0, "keys": keys})
     rows = [json.loads(x) for x in data.read_text().splitlines()]
-    dataset = CacheDataset(CompletionsDataset(rows, tok, "prompt", "completion", mask_prompt=True))
+    dataset = CacheDataset(ChatDataset(rows, tok, "messages", mask_prompt=True))
     steps: list[float] = []
     losses: list[float] = []
 
@@ -106,7 +108,7 @@ def _worker_peft(hf: str, data: Path, s: dict, out: Path) -> dict:
     model.train()
     windows, masks = [], []
     for row in map(json.loads, data.read_text().splitlines()):
-        msgs = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
+        msgs = row["messages"]
         ids = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
         prompt = len(tok.apply_chat_template(msgs[:1], tokenize=True, add_generation_prompt=True, return_dict=False))
         ids = (list(ids) + [tok.pad_token_id or 0] * (s["seq"] + 1))[: s["seq"] + 1]
@@ -147,8 +149,8 @@ def _ours(kind: str, hf: str, data: Path, s: dict, out: Path, env: dict) -> dict
         raise RuntimeError(f"{kind} run failed ({' '.join(cmd)}): {r.stderr.strip()[-2000:]}")
     events = [json.loads(x) for x in (run_dir / "logs" / "rank0.jsonl").read_text().splitlines()]
     ev = [e for e in events if e["event"] == "step"]
-    return {"step_s": [e["step_s"] for e in ev], "peak_bytes": max(e["memory_peak_bytes"] for e in ev),
-            "loss": [e.get("loss") for e in ev]}
+    return {"step_s": [e["step_s"] for e in ev], "compute_s": [e["compute_s"] for e in ev],
+            "peak_bytes": max(e["memory_peak_bytes"] for e in ev), "loss": [e.get("loss") for e in ev]}
 
 
 def _run_one(kind: str, hf: str, data: Path, s: dict, work: Path, tag: str) -> dict:
@@ -163,10 +165,17 @@ def _run_one(kind: str, hf: str, data: Path, s: dict, work: Path, tag: str) -> d
         if r.returncode != 0 or not out.exists():
             raise RuntimeError(f"{kind} baseline failed: {r.stderr.strip()[-2000:]}")
         res = json.loads(out.read_text())
-    timed = res["step_s"][s["warmup"]:]
-    if not timed:
+    if len(res["step_s"]) <= s["warmup"]:
         raise RuntimeError(f"{kind}: no steps after {s['warmup']} warm-up steps; raise --steps")
-    res["tok_s"] = len(timed) * s["batch"] * s["seq"] / sum(timed)
+    return rates(res, s)
+
+
+def rates(res: dict, s: dict) -> dict:
+    """Tokens/s from the median step and from the best step. On a shared machine single steps
+    stall for seconds while a neighbour runs; a mean would rank the neighbours, not the trainers."""
+    timed = res["step_s"][s["warmup"]:]
+    res["tok_s"] = s["batch"] * s["seq"] / statistics.median(timed)
+    res["tok_s_best"] = s["batch"] * s["seq"] / min(timed)
     res["first_step_s"] = res["step_s"][0]
     return res
 
@@ -189,11 +198,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--rows", type=int, default=64, help="instruction rows in the generated JSONL")
     p.add_argument("--json", help="also write every measurement here")
+    p.add_argument("--from-json", help="print the table of a run saved with --json, run nothing")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.from_json:
+        try:
+            saved = json.loads(Path(args.from_json).read_text())
+            results = {k: [rates(r, saved["settings"]) for r in v] for k, v in saved["results"].items()}
+        except (OSError, ValueError, KeyError) as e:
+            print(f"error: --from-json {args.from_json}: not a saved run ({e})", file=sys.stderr)
+            return 2
+        print(table(results, [e for e in KINDS if KINDS[e][0] in results]))
+        return 0
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in KINDS]
     if bad or not engines:
@@ -247,20 +266,22 @@ def _mib(b: float) -> str:
 
 def table(results: dict[str, list[dict]], engines: list[str]) -> str:
     """Medians over rounds; the ratio row is the median of the per-round ratios."""
-    lines = ["| engine | trainer | tokens/s | first step s | peak MiB |", "|---|---|---:|---:|---:|"]
+    lines = ["| engine | trainer | tokens/s (median step) | tokens/s (best step) | first step s | peak MiB |",
+             "|---|---|---:|---:|---:|---:|"]
     for e in engines:
         base_k, ours_k = KINDS[e]
         for k in (base_k, ours_k):
             rs = results[k]
             lines.append(f"| {e} | {LABELS[k]} | {statistics.median(x['tok_s'] for x in rs):.0f} | "
+                         f"{statistics.median(x['tok_s_best'] for x in rs):.0f} | "
                          f"{statistics.median(x['first_step_s'] for x in rs):.2f} | "
                          f"{_mib(statistics.median(x['peak_bytes'] for x in rs))} |")
         pairs = list(zip(results[base_k], results[ours_k], strict=True))
-        tok = statistics.median(o["tok_s"] / b["tok_s"] for b, o in pairs)
-        mem = statistics.median(o["peak_bytes"] / b["peak_bytes"] for b, o in pairs)
-        first = statistics.median(o["first_step_s"] / b["first_step_s"] for b, o in pairs)
-        lines.append(f"| {e} | ratio ours/baseline | {_fmt(tok)} (target >= 1.0) | {_fmt(first)} | "
-                     f"{_fmt(mem)} (target <= 1.0) |")
+        ratio = {key: statistics.median(o[key] / b[key] for b, o in pairs)
+                 for key in ("tok_s", "tok_s_best", "first_step_s", "peak_bytes")}
+        lines.append(f"| {e} | ratio ours/baseline | {_fmt(ratio['tok_s'])} (target >= 1.0) | "
+                     f"{_fmt(ratio['tok_s_best'])} | {_fmt(ratio['first_step_s'])} | "
+                     f"{_fmt(ratio['peak_bytes'])} (target <= 1.0) |")
     return "\n".join(lines)
 
 
