@@ -23,9 +23,9 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.cluster
-@pytest.mark.netns
-def test_slow_host_gets_smaller_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _balanced_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, subnet: str, slow,
+                  steps: int, interval: int) -> Path:
+    """A 2-host balanced run on namespace hosts, host 2 slowed by `slow(cluster)`; its run dir."""
     from mlxdist.rig.simcluster import SimCluster, available
 
     ok, why = available()
@@ -36,19 +36,26 @@ def test_slow_host_gets_smaller_share(tmp_path: Path, monkeypatch: pytest.Monkey
         if k in ("PYTHONPATH", "OPENBLAS_NUM_THREADS"):
             monkeypatch.setenv(k, v)
     run_dir = tmp_path / "run"
+    with SimCluster(2, name=name, subnet=subnet, state_dir=tmp_path / "sc") as c:
+        slow(c)
+        cmd = [mpirun_path(), *c.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", "2",
+               sys.executable, "-m", "mlxdist.train", *FAST, "data.seq_len=64",
+               f"train.batch_size={GLOBAL}", f"train.global_batch={GLOBAL}", f"train.steps={steps}",
+               "checkpoint.every=0", "control.balance=true", f"control.balance_interval={interval}",
+               f"train.out_dir={run_dir}"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.cluster
+@pytest.mark.netns
+def test_slow_host_gets_smaller_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Host 1 stays uncapped: under a CFS quota, rank 0's busy-wait in the collectives
     # for the slow rank burns its own quota, throttles its next compute and makes it
     # measure as slow as rank 1, so the equal split can persist for many steps.
     # Host 2 at 30% stays well under the fair share of a busy 2-core machine.
-    with SimCluster(2, name="mlxbt", subnet="10.77.42", state_dir=tmp_path / "sc") as c:
-        c.slow(2, 30)
-        cmd = [mpirun_path(), *c.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", "2",
-               sys.executable, "-m", "mlxdist.train", *FAST, "data.seq_len=64",
-               f"train.batch_size={GLOBAL}", f"train.global_batch={GLOBAL}", "train.steps=30",
-               "checkpoint.every=0", "control.balance=true", "control.balance_interval=2",
-               f"train.out_dir={run_dir}"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    run_dir = _balanced_run(tmp_path, monkeypatch, "mlxbt", "10.77.42", lambda c: c.slow(2, 30), 30, 2)
     events = _events(run_dir)
     steps = [e for e in events if e["event"] == "step"]
     assert len(steps) == 30
@@ -180,24 +187,7 @@ def test_cli_slow_compute(tmp_path: Path) -> None:
 @pytest.mark.netns
 def test_compute_slowed_host_gets_smaller_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Mac-like slow host: 3x slower compute, CPU free. Balanced, its share is ~1/4."""
-    from mlxdist.rig.simcluster import SimCluster, available
-
-    ok, why = available()
-    if not ok:
-        pytest.skip(why)
-    for k, v in env().items():
-        if k in ("PYTHONPATH", "OPENBLAS_NUM_THREADS"):
-            monkeypatch.setenv(k, v)
-    run_dir = tmp_path / "run"
-    with SimCluster(2, name="mlxbalt", subnet="10.78.0", state_dir=tmp_path / "sc") as c:
-        c.slow_compute(2, 3.0)
-        cmd = [mpirun_path(), *c.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", "2",
-               sys.executable, "-m", "mlxdist.train", *FAST, "data.seq_len=64",
-               f"train.batch_size={GLOBAL}", f"train.global_batch={GLOBAL}", "train.steps=20",
-               "checkpoint.every=0", "control.balance=true", "control.balance_interval=1",
-               f"train.out_dir={run_dir}"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    run_dir = _balanced_run(tmp_path, monkeypatch, "mlxbalt", "10.78.0", lambda c: c.slow_compute(2, 3.0), 20, 1)
     assert "computes x3 slower" in (run_dir / "logs" / "rank1.log").read_text()
     steps = [e for e in _events(run_dir) if e["event"] == "step"]
     assert all(sum(e["shares"]) == GLOBAL for e in steps)
