@@ -37,17 +37,15 @@ MARGIN_S = 30.0
 
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def _namespace_cluster(tmp_path_factory: pytest.TempPathFactory, hosts: int, name: str, subnet: str):
+    """A module's cluster; ranks import mlxdist from this checkout wherever mpirun starts them."""
     ok, why = simcluster.available()
     if not ok:
         pytest.skip(why)
-    # Ranks import mlxdist from this checkout wherever mpirun starts them.
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
     try:
-        with SimCluster(2, name="mlxmh", subnet="10.77.21",
-                        state_dir=tmp_path_factory.mktemp("mh")) as c:
+        with SimCluster(hosts, name=name, subnet=subnet, state_dir=tmp_path_factory.mktemp(name)) as c:
             yield c
     finally:
         if old is None:
@@ -55,6 +53,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         else:
             os.environ["PYTHONPATH"] = old
 
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    yield from _namespace_cluster(tmp_path_factory, 2, "mlxmh", "10.77.21")
 
 def _cmd(c: SimCluster, *args: str, config: Path | None = None) -> list[str]:
     # Options before the key=value overrides: argparse takes one run of positionals.
@@ -237,20 +239,7 @@ LONG = ["train.steps=10000", "train.batch_size=4", "dist.backend=mpi4py", f"dist
 
 @pytest.fixture(scope="module")
 def cluster3(tmp_path_factory: pytest.TempPathFactory):
-    ok, why = simcluster.available()
-    if not ok:
-        pytest.skip(why)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
-    try:
-        with SimCluster(3, name="mlxlt", subnet="10.79.0", state_dir=tmp_path_factory.mktemp("lt")) as c:
-            yield c
-    finally:
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
-
+    yield from _namespace_cluster(tmp_path_factory, 3, "mlxlt", "10.79.0")
 
 def _train_args(out: Path, *args: str) -> list[str]:
     return [*TRAIN[2:], *LONG, f"train.out_dir={out}", *args]
