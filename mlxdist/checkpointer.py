@@ -1,12 +1,21 @@
 """The run's checkpoints: when to save, where, which one to resume from, and retention.
 
 The file format and its atomic, checksummed writing live in `checkpoint.py`; this is the
-component the loop talks to. Only rank 0 reads and writes files; the loop hands what it
-read to the other ranks (all ranks hold identical state, DESIGN promise 3).
+component the loop talks to. Rank 0 writes `RUN_DIR/checkpoints/`. With
+`checkpoint.on_every_host`, the first rank of every other host also writes its own copy into
+`RUN_DIR/replicas/HOST/` (all ranks hold identical state, DESIGN promise 3): on Macs with their
+own disks the run then survives losing any one of them, rank 0's included, and on a shared disk
+the copies cannot collide. Reading is rank 0's job; the loop hands what it read to the others.
+
+`python -m mlxdist.checkpointer probe RUN_DIR` prints, as one JSON line, the newest copy that
+verifies on this host: the elastic supervisor asks every host this before a restart.
 """
 
 from __future__ import annotations
 
+import json
+import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,11 +25,47 @@ import numpy as np
 from . import checkpoint as ckpt
 from .config import CheckpointConfig
 
+REPLICAS = "replicas"
+
+
+def all_copies(run_dir: Path) -> list[Path]:
+    """Every checkpoint directory of the run visible here, newest step first; for one step,
+    rank 0's copy before the replicas."""
+    found = [(p, 0) for p in ckpt.list_checkpoints(run_dir / "checkpoints")]
+    replicas = run_dir / REPLICAS
+    if replicas.is_dir():
+        for host_dir in sorted(replicas.iterdir()):
+            found += [(p, 1) for p in ckpt.list_checkpoints(host_dir)]
+    found.sort(key=lambda pr: (-_step(pr[0]), pr[1], str(pr[0])))
+    return [p for p, _ in found]
+
+
+def _step(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return -1
+
+
+def newest_whole(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest copy that verifies; each newer broken one is reported and left alone."""
+    for path in all_copies(run_dir):
+        problem = ckpt.verify(path)
+        if problem is None:
+            return path
+        warn(f"checkpoint {path} is unusable ({problem}); falling back to the previous one")
+    return None
+
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, run_dir: Path):
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, *, host: str = "", rank: int = 0,
+                 local_rank: int = 0):
         self.cfg = cfg
+        self.run_dir = run_dir
         self.dir = run_dir / "checkpoints"
+        # Rank 0 writes the run's checkpoints; a replica writer its host's own copy.
+        self.writes = rank == 0 or (cfg.on_every_host and local_rank == 0)
+        self.write_dir = self.dir if rank == 0 else run_dir / REPLICAS / host
 
     def due(self, step: int, last: bool) -> bool:
         return bool(self.cfg.every and step % self.cfg.every == 0) or last
@@ -31,18 +76,46 @@ class Checkpointer:
             return None
         if self.cfg.resume != "auto":
             return ckpt.load(self.cfg.resume)
-        loaded = ckpt.load_latest(self.dir, warn=warn)
+        loaded = self.latest(warn)
         if loaded is None:
-            warn(f"resume=auto: no checkpoint in {self.dir}; starting fresh")
+            warn(f"resume=auto: no checkpoint in {self.dir} or {self.run_dir / REPLICAS}; starting fresh")
         return loaded
 
     def latest(self, warn: Callable[[str], None]) -> ckpt.Loaded | None:
-        return ckpt.load_latest(self.dir, warn=warn)
+        """Newest whole copy here: rank 0's or a replica (after an elastic restart the new
+        rank 0 may hold only the replica it wrote while it was another rank)."""
+        path = newest_whole(self.run_dir, warn)
+        return ckpt.load(path, verified=True) if path is not None else None
 
     def save(self, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
              meta: ckpt.CheckpointMeta) -> tuple[Path, float]:
         """Write one checkpoint and apply retention; returns its path and the seconds taken."""
         t0 = time.perf_counter()
-        path = ckpt.save(self.dir, step, weights, optimizer, meta.to_dict(), self.cfg.zstd_level)
-        ckpt.apply_retention(self.dir, self.cfg.keep_last, self.cfg.keep_best)
+        path = ckpt.save(self.write_dir, step, weights, optimizer, meta.to_dict(), self.cfg.zstd_level)
+        ckpt.apply_retention(self.write_dir, self.cfg.keep_last, self.cfg.keep_best)
         return path, time.perf_counter() - t0
+
+
+def probe(run_dir: Path) -> dict:
+    """This host's answer to the elastic supervisor: its name and newest whole copy."""
+    unusable: list[str] = []
+    path = newest_whole(run_dir, lambda m: unusable.append(m))
+    newest = None
+    if path is not None:
+        state = json.loads((path / "state.json").read_text())
+        newest = {"path": str(path), "step": int(state.get("step", _step(path))),
+                  "global_batch": state.get("global_batch")}
+    return {"host": socket.gethostname(), "newest": newest, "unusable": unusable}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "probe":
+        print("usage: python -m mlxdist.checkpointer probe RUN_DIR", file=sys.stderr)
+        return 2
+    print(json.dumps(probe(Path(args[1]))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

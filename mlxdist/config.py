@@ -103,6 +103,9 @@ class CheckpointConfig:
     keep_best: bool = True
     zstd_level: int = field(default=3, metadata=_range(1, 22))
     resume: str = "none"
+    # Every host (its first rank) also writes a verified copy, into RUN_DIR/replicas/HOST on
+    # hosts other than rank 0's: the run survives losing any one host's disk (--elastic).
+    on_every_host: bool = False
 
 
 @dataclass

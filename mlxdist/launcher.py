@@ -11,6 +11,7 @@ turns Ctrl-C into a saved stop and reports how the job ended as an exit code.
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import shlex
 import socket
@@ -107,6 +108,12 @@ class Launch:
         prefix = (str(self.ssh_agent),) if self.ssh_agent else Remote.prefix
         return Remote(prefix=prefix, local_names=frozenset() if self.ssh_agent else frozenset(LOCAL_NAMES))
 
+    def subset(self, names: list[str], path: Path) -> Launch:
+        """The same launch on some of its hosts, in this order (the first runs rank 0)."""
+        slots = {h.name: h.slots for h in self.hosts}
+        path.write_text("".join(f"{n} slots={slots[n]}\n" for n in names))
+        return Launch(path, [HostEntry(n, slots[n]) for n in names], self.ssh_agent, self.network)
+
     def command(self, train_args: list[str], *, python: str, tcp_links: int, env: list[str], tag: str) -> list[str]:
         # `-X mlxdist_job=TAG` is inert for Python and names the job's ranks in `ps` on every
         # host, so the supervisor (or a user) can find what a failed job left behind.
@@ -172,6 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-x", dest="env", action="append", default=[], help="extra env var to pass to ranks")
     p.add_argument("--grace", type=float, default=3.0,
                    help="seconds mpirun gets to end a failed job before it is killed (default 3)")
+    p.add_argument("--elastic", action="store_true",
+                   help="when a host dies, is cut off or stalls: restart on the hosts that answer, from the "
+                        "newest checkpoint that verifies on any of them")
+    p.add_argument("--min-hosts", type=int, default=1, metavar="K",
+                   help="--elastic: give up (exit 5) when fewer than K hosts answer (default 1)")
+    p.add_argument("--max-restarts", type=int, default=5, metavar="R",
+                   help="--elastic: restarts after failures before giving up (default 5)")
+    p.add_argument("--rejoin", action="store_true",
+                   help="--elastic: take a dropped host back at the next checkpoint once it answers again")
     p.add_argument("--dry-run", action="store_true", help="check hosts and print the command only")
     p.add_argument("--no-check", action="store_true", help="skip the host reachability check")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then python -m mlxdist.train arguments")
@@ -181,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give one of --hostfile or --simcluster")
     if args.hosts and not args.simcluster:
         p.error("--hosts picks hosts of a --simcluster; for real machines, write a hostfile with those lines")
+    if (args.rejoin or args.min_hosts != 1 or args.max_restarts != 5) and not args.elastic:
+        p.error("--min-hosts, --max-restarts and --rejoin need --elastic")
+    if args.min_hosts < 1 or args.max_restarts < 0:
+        p.error("--min-hosts must be at least 1 and --max-restarts at least 0")
     tag = secrets.token_hex(4)
     try:
         if args.simcluster:
@@ -195,16 +215,47 @@ def main(argv: list[str] | None = None) -> int:
                 if problem:
                     raise LaunchError(f"{where}: {problem}")
         cmd = launch.command(train_args, python=args.python, tcp_links=args.tcp_links, env=args.env, tag=tag)
+        elastic = _elastic_run(args, launch, train_args) if args.elastic else None
     except (LaunchError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return Exit.USAGE
     for note in launch.notes:
         print(f"mlxrun: {note}", file=sys.stderr)
+    if elastic is not None and not args.dry_run:
+        return elastic.run()  # prints each job's command itself
     print(shlex.join(cmd), flush=True)
     if args.dry_run:
         return Exit.OK
     return supervise(cmd, n_ranks=launch.n_ranks, hosts=[h.name for h in launch.hosts], remote=launch.remote(),
                      tag=tag, grace=args.grace)
+
+
+def _elastic_run(args: argparse.Namespace, launch: Launch, train_args: list[str]):
+    """The elastic loop for this launch; the run's config is read here (as the ranks will read
+    it) for where its checkpoints live, so a bad key fails before any host is touched."""
+    from .config import ConfigError, load_config
+    from .elastic import ElasticSettings
+    from .elastic_launch import ElasticRun, ProbeTarget
+    from .train import parse_args
+
+    if args.min_hosts > len(launch.hosts):
+        raise LaunchError(f"--min-hosts {args.min_hosts}: the job has only {len(launch.hosts)} host(s)")
+    try:
+        a = parse_args(train_args)
+        cfg = load_config(a.config, list(a.overrides) + ([f"checkpoint.resume={a.resume}"] if a.resume else []))
+    except (ConfigError, SystemExit) as e:
+        raise LaunchError(f"--elastic: cannot read the run's config: {e}") from None
+    if not cfg.checkpoint.every:
+        launch.notes.append("--elastic with checkpoint.every=0: a failure restarts from the last saved stop, "
+                            "or from the start; set checkpoint.every")
+    if not cfg.checkpoint.on_every_host:
+        launch.notes.append("--elastic: only rank 0's host keeps checkpoints; if it is lost with its disk, the "
+                            "run restarts from the start. Set checkpoint.on_every_host=true")
+    cwd = os.getcwd()
+    target = ProbeTarget(python=args.python, cwd=cwd, run_dir=os.path.join(cwd, cfg.train.out_dir))
+    return ElasticRun(launch, ElasticSettings(args.min_hosts, args.max_restarts, args.rejoin), train_args,
+                      python=args.python, tcp_links=args.tcp_links, env=args.env, grace=args.grace,
+                      target=target, checkpoint_every=cfg.checkpoint.every)
 
 
 if __name__ == "__main__":

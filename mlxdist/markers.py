@@ -21,6 +21,10 @@ COMPLETE = "mlxdist-complete:"
 # Printed by each rank once its stop handler is in place, only under launch/mlxrun (which
 # sets SUPERVISED_ENV): a stop signal that arrives earlier would kill a starting rank.
 READY = "mlxdist-ready:"
+# Printed by rank 0 under launch/mlxrun after each step and each checkpoint it wrote: the
+# elastic supervisor counts the steps a failure loses and times a rejoin by checkpoints.
+STEP = "mlxdist-step:"
+CHECKPOINT = "mlxdist-checkpoint:"
 SUPERVISED_ENV = "MLXDIST_SUPERVISED"
 
 # Forwarded to every rank by Open MPI's mpirun (prterun forwards SIGUSR1/SIGUSR2 and
@@ -36,6 +40,7 @@ class Exit(IntEnum):
     USAGE = 2  # bad command line, hostfile, config key, or a host that cannot be reached
     STALLED = 3  # a collective made no progress for dist.stall_timeout_s (cut link, sleeping host)
     HOST_LOST = 4  # a host (its daemon or its ranks) disappeared mid-run
+    GAVE_UP = 5  # --elastic: fewer than --min-hosts hosts answer, or --max-restarts used up
     KILLED = 130  # a second Ctrl-C: ended at once, nothing saved since the last checkpoint
 
 
@@ -59,6 +64,22 @@ def announce_complete(step: int, reason: str) -> None:
         print(complete_line(step, reason), flush=True)
 
 
+def announce_event(kind: str, fields: dict) -> None:
+    """Rank 0: pass a step or a checkpoint on to the supervisor (silent without one)."""
+    if kind not in ("step", "checkpoint") or not os.environ.get(SUPERVISED_ENV):
+        return
+    print(f"{STEP if kind == 'step' else CHECKPOINT} {int(fields['step'])}", flush=True)
+
+
+def parse_progress(line: str) -> tuple[str, int] | None:
+    """("step" | "checkpoint", step) of rank 0's progress marker, or None."""
+    m = _PROGRESS_RE.fullmatch(line.strip())
+    if not m:
+        return None
+    return ("step" if m.group(1) == STEP else "checkpoint"), int(m.group(2))
+
+
+_PROGRESS_RE = re.compile(f"({re.escape(STEP)}|{re.escape(CHECKPOINT)}) (\\d+)")
 _READY_RE = re.compile(re.escape(READY) + r" rank (\d+)")
 _ABORT_RE = re.compile(re.escape(ABORT) + r" (\w+)\)")
 _COMPLETE_RE = re.compile(re.escape(COMPLETE) + r" step (\d+) reason (\S+)")

@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from . import __version__
+from .elastic import RestartCounts
 
 # Event kind -> counter attribute, and -> (controller, default action) of a decision.
 _COUNTERS = {"skipped": "nonfinite", "rollback": "rollbacks", "drift_repair": "drift_repairs"}
@@ -59,6 +60,12 @@ class Metrics:
         self.nonfinite = counter("mlxdist_nonfinite_steps", "Steps skipped for non-finite loss or grads")
         self.drift_repairs = counter("mlxdist_drift_repairs", "Weight drift detected and repaired by broadcast")
         self.rollbacks = counter("mlxdist_rollbacks", "Rollbacks to the last checkpoint")
+        # Set by launch/mlxrun --elastic in a restarted job's environment; 0 otherwise.
+        self.restarts = counter("mlxdist_restarts", "Times launch/mlxrun --elastic restarted this job so far")
+        self.lost_steps = counter("mlxdist_lost_steps", "Steps done but lost to failures (redone after restarts)")
+        counts = RestartCounts.from_env()
+        self.restarts.inc(counts.restarts)
+        self.lost_steps.inc(counts.lost_steps)
         self.decisions = Counter("mlxdist_controller_decisions", "Controller decisions",
                                  [*lab, "controller", "action"], registry=r)
         self.build = Info("mlxdist_build", "Version and run settings", lab, registry=r)

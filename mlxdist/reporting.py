@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from . import markers
 from .events import EventLog, Progress
 from .metrics import Metrics
 
@@ -43,11 +44,15 @@ class Reporter:
     def __init__(self, log: Log, events: EventLog, metrics: Metrics, progress: Progress):
         self.log, self.events, self.metrics, self.progress = log, events, metrics, progress
         log.progress = progress
+        # Rank 0 also tells launch/mlxrun its steps and checkpoints (the elastic supervisor's clock).
+        self.tell_supervisor = events.base.get("rank") == 0
 
     def emit(self, kind: str, text: str | None = None, **fields: Any) -> None:
         """Record `kind` with `fields` in every sink; `text` is the human's version of it."""
         self.events.write(kind, **fields)
         self.metrics.record(kind, fields)
+        if self.tell_supervisor:
+            markers.announce_event(kind, fields)
         if text:
             self.log(text)
 

@@ -82,7 +82,10 @@ class Supervisor:
         self.lost: str | None = None
         self.failed_at: float | None = None
         self.stops = 0
+        self.asked_stop = False  # a stop the supervisor itself asked for (elastic rejoin)
         self.stop_sent = False
+        self.last_step = 0  # from rank 0's progress markers
+        self.checkpoints_seen = 0
         self.killed = False
         self._lock = threading.Lock()
 
@@ -98,6 +101,14 @@ class Supervisor:
                 with self._lock:
                     self.ready.add(rank)
                 self._maybe_send_stop()
+                continue
+            progress = markers.parse_progress(line)
+            if progress is not None:
+                kind, step = progress
+                if kind == "step":
+                    self.last_step = step
+                else:
+                    self.checkpoints_seen += 1
                 continue
             done = markers.parse_complete(line)
             if done:
@@ -127,9 +138,16 @@ class Supervisor:
             self._say(f"{len(self.ready)}/{self.n_ranks} ranks ready; passing the stop on when all are")
         self._maybe_send_stop()
 
+    def request_stop(self, why: str) -> None:
+        """Stop the job at a step boundary with a checkpoint, as a first Ctrl-C would; the
+        outcome then tells the caller's stop (`asked_stop`) from the user's (`stops`)."""
+        self._say(f"{why}: every rank stops after the current step and saves a checkpoint")
+        self.asked_stop = True
+        self._maybe_send_stop()
+
     def _maybe_send_stop(self) -> None:
         with self._lock:
-            if self.stops and not self.stop_sent and len(self.ready) >= self.n_ranks and self.proc:
+            if (self.stops or self.asked_stop) and not self.stop_sent and len(self.ready) >= self.n_ranks and self.proc:
                 self.stop_sent = True
                 self.proc.send_signal(markers.STOP_SIGNAL)
 

@@ -123,7 +123,8 @@ class Trainer:
         self.plan = StepPlan.initial(w.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
         self.ctl = Controllers.build(cfg, self.plan, my_micro, node.memory_target, w.size)
         self.state = ckpt.RunState()
-        self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir)
+        self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir, host=w.host, rank=w.rank,
+                                        local_rank=w.local_rank)
         self.faults = Faults.from_env()
         self.stop_reason: str | None = None
         self.self_check = SelfCheck(cfg.dist.sync_weights_every if w.size > 1 else 0)
@@ -306,8 +307,8 @@ class Trainer:
             compute_s=compute_s, sync_s=stats.sync_seconds, sync_bytes=stats.sync_bytes,
             data_wait_s=self.feed.take_wait_seconds(), shares=plan.shares, micro=plan.micro,
             micro_batch=plan.micro[rank], accum=plan.accumulation(rank), samples=samples, tokens=tokens,
-            global_batch=plan.global_batch, skipped=stats.skipped, memory_active_bytes=memory.active,
-            memory_peak_bytes=memory.peak, memory_limit_bytes=memory.limit)
+            global_batch=plan.global_batch, position=self.state.position, skipped=stats.skipped,
+            memory_active_bytes=memory.active, memory_peak_bytes=memory.peak, memory_limit_bytes=memory.limit)
         self.report.progress.update(self.state.step, stats.loss, cluster_tok_s)
 
     def evaluate(self) -> bool:
@@ -330,7 +331,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         batch_states = self.world.allgather(self.ctl.batch.state_dict())
-        if self.world.is_main:
+        if self.checkpoints.writes:  # rank 0; with checkpoint.on_every_host each host's first rank too
             opt, opt_step = self.engine.get_optimizer_state()
             meta = ckpt.CheckpointMeta(
                 run=self.state, optimizer_step=opt_step, controllers=self.ctl.state_dict(batch_states, self.plan),
@@ -342,7 +343,7 @@ class Trainer:
                              path=str(path), seconds=seconds)
         # Peers wait here, with a longer stall allowance, rather than in the next step's
         # all-reduce, where a big model's slow save would look like a dead rank.
-        self.world.barrier("waiting for rank 0 to write a checkpoint", patience=10)
+        self.world.barrier("waiting for the checkpoint writers", patience=10)
 
     def restore(self, loaded: ckpt.Loaded | None, rolling_back: bool = False) -> None:
         """Rank 0 read the checkpoint (or nothing); every rank ends with its complete state:
