@@ -202,15 +202,13 @@ class ElasticRun:
                 reason, after_failure = "rejoin", False
                 candidates = hosts + [h for h in everyone if h in rejoining]
             else:
-                summary = f"{outcome.message} [exit {int(outcome.code)}]"
                 reason = failure_reason(outcome.code)
                 if reason is None:  # finished, stopped by the user, or a usage error
-                    if outcome.code == Exit.OK and counts.restarts:
-                        summary += (f" (after {counts.restarts} elastic restart(s), "
-                                    f"{counts.lost_steps} step(s) lost)")
-                    _say(summary)
+                    after = (f" (after {counts.restarts} elastic restart(s), {counts.lost_steps} step(s) lost)"
+                             if outcome.code == Exit.OK and counts.restarts else "")
+                    _say(f"{outcome.message}{after} [exit {int(outcome.code)}]")
                     return int(outcome.code)
-                _say(summary.replace(f" [exit {int(outcome.code)}]", ""))
+                _say(outcome.message)
                 after_failure, candidates = True, hosts
             _say(f"elastic: asking {len(candidates)} host(s) whether they answer and which checkpoint they hold")
             probes = probe_all(candidates, remote, self.target)

@@ -374,7 +374,7 @@ def test_losing_rank_0s_host_and_its_disk_resumes_from_another_hosts_copy(healed
 @pytest.mark.netns
 @pytest.mark.slow
 def test_cut_link_heals_and_the_host_rejoins_at_a_checkpoint(healed, tmp_path: Path) -> None:
-    c, steps = healed, 60
+    c, steps = healed, 90
     job = _elastic(c, tmp_path, steps, "--min-hosts", "2", "--rejoin")
     _until_step(job, tmp_path, 4)
     c.cut(3)
