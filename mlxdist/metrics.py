@@ -59,6 +59,11 @@ class Metrics:
         self.nonfinite = counter("mlxdist_nonfinite_steps", "Steps skipped for non-finite loss or grads")
         self.drift_repairs = counter("mlxdist_drift_repairs", "Weight drift detected and repaired by broadcast")
         self.rollbacks = counter("mlxdist_rollbacks", "Rollbacks to the last checkpoint")
+        self.outer_syncs = counter("mlxdist_outer_syncs", "DiLoCo outer syncs (one per fragment synced)")
+        self.outer_sync_seconds = hist("mlxdist_outer_sync_seconds", "DiLoCo outer sync time (exchange of one fragment)")
+        self.outer_sync_bytes = counter("mlxdist_outer_sync_bytes", "DiLoCo pseudo-gradient bytes this rank sent")
+        self.pseudo_grad_norm = gauge("mlxdist_pseudo_grad_norm", "L2 norm of the last averaged pseudo-gradient")
+        self.inner_steps = gauge("mlxdist_inner_steps", "Inner steps this rank ran before its last outer sync")
         self.decisions = Counter("mlxdist_controller_decisions", "Controller decisions",
                                  [*lab, "controller", "action"], registry=r)
         self.build = Info("mlxdist_build", "Version and run settings", lab, registry=r)
@@ -73,6 +78,8 @@ class Metrics:
             self.eval_loss.set(fields["eval_loss"])
         elif kind == "checkpoint":
             self.checkpoint_seconds.observe(fields["seconds"])
+        elif kind == "outer_sync":
+            self._observe_outer(fields)
         elif kind in _COUNTERS:
             getattr(self, _COUNTERS[kind]).inc()
         if kind in _DECISIONS:
@@ -97,6 +104,13 @@ class Metrics:
         self.memory_active.set(f["memory_active_bytes"])
         self.memory_peak.set(f["memory_peak_bytes"])
         self.memory_limit.set(f["memory_limit_bytes"])
+
+    def _observe_outer(self, f: dict[str, Any]) -> None:
+        self.outer_syncs.inc()
+        self.outer_sync_seconds.observe(f["seconds"])
+        self.outer_sync_bytes.inc(f["bytes"])
+        self.pseudo_grad_norm.set(f["pseudo_grad_norm"])
+        self.inner_steps.set(f["inner_steps"])
 
     def decision(self, controller: str, action: str) -> None:
         self.decisions.labels(**self.labels, controller=controller, action=action).inc()
