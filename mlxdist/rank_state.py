@@ -7,9 +7,10 @@ writes one file next to the run (on its own host's disk: Macs share no filesyste
 reads it back only if every rank of the same cluster found a whole one. Otherwise the run
 resumes from the shared state alone, which is still correct, just not bit-identical.
 
-Layout: RUN_DIR/rank_state/step_NNNNNNNN/rankR.safetensors.zst and rankR.json (the
+Layout: RUN_DIR/rank_state/step_NNNNNNNN/rankR.safetensors and rankR.json (the
 sha256 of the data file and what it belongs to). Written to a temporary name and renamed,
-so a crash leaves either the old file or the new one.
+so a crash leaves either the old file or the new one. Not compressed: trained fp32
+weights barely compress, and this file is written by every rank at every checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import zstandard
 
 from .checkpoint import from_safetensors, to_safetensors
 
@@ -39,13 +39,13 @@ class RankStateInfo:
 
 def _paths(root: Path, step: int, rank: int) -> tuple[Path, Path]:
     d = root / f"step_{step:08d}"
-    return d / f"rank{rank}.safetensors.zst", d / f"rank{rank}.json"
+    return d / f"rank{rank}.safetensors", d / f"rank{rank}.json"
 
 
 def save(root: Path, info: RankStateInfo, arrays: dict[str, np.ndarray], keep: int) -> Path:
     data_path, info_path = _paths(root, info.step, info.rank)
     data_path.parent.mkdir(parents=True, exist_ok=True)
-    data = zstandard.ZstdCompressor(level=1, threads=-1).compress(to_safetensors(arrays))
+    data = to_safetensors(arrays)
     info.sha256 = hashlib.sha256(data).hexdigest()
     for path, blob in ((data_path, data), (info_path, json.dumps(asdict(info)).encode())):
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -78,14 +78,14 @@ def load(root: Path, step: int, rank: int, world_size: int, hosts: list[str]) ->
     data = data_path.read_bytes()
     if hashlib.sha256(data).hexdigest() != info.sha256:
         raise RankStateMissing(f"{data_path} fails its sha256 check")
-    return from_safetensors(zstandard.ZstdDecompressor().decompress(data)), info.optimizer_step
+    return from_safetensors(data), info.optimizer_step
 
 
 def _prune(root: Path, rank: int, keep: int) -> None:
     """Keep this rank's newest `keep` files; other ranks prune their own."""
     mine = sorted(p for p in root.glob(f"step_*/rank{rank}.json"))
     for info_path in mine[:-keep] if keep else []:
-        data_path = info_path.with_name(f"rank{rank}.safetensors.zst")
+        data_path = info_path.with_name(f"rank{rank}.safetensors")
         data_path.unlink(missing_ok=True)
         info_path.unlink(missing_ok=True)
         if not any(info_path.parent.iterdir()):

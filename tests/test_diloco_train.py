@@ -148,6 +148,22 @@ def test_resume_mid_round_equals_no_interruption(tmp_path):
         _close(_rank_weights(parts, 10, rank), _rank_weights(whole, 10, rank), 1e-6)
 
 
+def test_corrupt_rank_file_falls_back_to_the_shared_state(tmp_path):
+    """One rank's own file damaged on disk: no rank uses its own state (they must agree on
+    the round), the run says why and goes on from the agreed weights; nothing is deleted."""
+    common = [*COMMON, _nodes([3, 5]), f"train.out_dir={tmp_path}"]
+    r = run_train([*common, "train.steps=6", "checkpoint.every=6"], np_=2)
+    assert r.returncode == 0, r.stderr
+    damaged = tmp_path / "rank_state" / "step_00000006" / "rank1.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    r = run_train([*common, "train.steps=8", "checkpoint.every=0", "--resume", "auto"], np_=2)
+    assert r.returncode == 0, r.stderr
+    assert "shared outer state only" in r.stderr and "rank1.safetensors fails its sha256 check" in r.stderr
+    assert damaged.exists()
+
+
 def test_resume_on_fewer_ranks_continues_from_the_shared_state(tmp_path):
     common = [*COMMON, "dist.outer_wire=int8", "train.batch_size=3", f"train.out_dir={tmp_path}"]
     r = run_train([*common, "train.steps=6", "checkpoint.every=6"], np_=3)
