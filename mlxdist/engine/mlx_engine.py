@@ -108,6 +108,7 @@ class MLXEngine:
     def step(self, lr: float) -> StepStats:
         if self._grads is None:
             raise RuntimeError("step() without micro_step(): no gradients to apply")
+        self.world.rendezvous("waiting for the other ranks to finish computing")
         if self.local_steps:
             grads, norm, sync = self._local_gradients()
             loss_sum, tokens, square_sum = self.world.allreduce_sum([self._loss_sum.item(), self._tokens, norm * norm])
