@@ -64,6 +64,12 @@ class Metrics:
         self.outer_sync_bytes = counter("mlxdist_outer_sync_bytes", "DiLoCo pseudo-gradient bytes this rank sent")
         self.pseudo_grad_norm = gauge("mlxdist_pseudo_grad_norm", "L2 norm of the last averaged pseudo-gradient")
         self.inner_steps = gauge("mlxdist_inner_steps", "Inner steps this rank ran before its last outer sync")
+        # A stalled rank still answers scrapes but stops moving this; the stalled-rank alert in
+        # configs/prometheus-rules.yml watches `time() - it`. Set at start so a rank stuck
+        # before its first step is caught too.
+        self.last_step_time = gauge("mlxdist_last_step_timestamp_seconds",
+                                    "Unix time this rank last finished a step (its start, before the first)")
+        self.last_step_time.set_to_current_time()
         self.decisions = Counter("mlxdist_controller_decisions", "Controller decisions",
                                  [*lab, "controller", "action"], registry=r)
         self.build = Info("mlxdist_build", "Version and run settings", lab, registry=r)
@@ -88,6 +94,7 @@ class Metrics:
 
     def _observe_step(self, f: dict[str, Any]) -> None:
         self.steps.inc()
+        self.last_step_time.set_to_current_time()
         self.tokens.inc(f["tokens"])
         self.samples.inc(f["samples"])
         self.loss.set(f["loss"])
