@@ -130,6 +130,10 @@ class DistConfig:
     outer_wire: str = field(default="bfloat16", metadata=_range(choices=("float32", "bfloat16", "int8", "int4")))
     fragments: int = field(default=1, metadata=_range(1))
     sync_every_s: float | None = field(default=None, metadata=_range(0.1))
+    # Streaming DiLoCo: a fragment's outer step lands this many inner steps after it is
+    # sent (0 = blocking), mixed with what was learnt meanwhile: alpha*local + (1-alpha)*anchor.
+    overlap_steps: int = field(default=0, metadata=_range(0))
+    overlap_alpha: float = field(default=0.5, metadata=_range(0.0, 1.0))
 
 
 @dataclass
@@ -328,12 +332,23 @@ def validate(cfg: Config) -> None:
     if cfg.data.source == "shards" and not cfg.data.path:
         raise ConfigError("data.path: required when data.source is 'shards' (run `python -m mlxdist.prepare` first)")
     if cfg.dist.mode == "diloco":
-        raise ConfigError("dist.mode: diloco is not wired into the training loop yet (its algorithm is in "
-                          "mlxdist/sync/diloco.py, tested on its own); use dist.mode=ddp")
+        _validate_diloco(cfg.dist)
     if cfg.control.min_batch > cfg.control.max_batch:
         raise ConfigError("control.min_batch: must not exceed control.max_batch")
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
         raise ConfigError(f"checkpoint.resume: '{cfg.checkpoint.resume}' does not exist (use 'auto', 'none' or a checkpoint dir)")
+
+
+def _validate_diloco(d: DistConfig) -> None:
+    if d.sync_every_s is not None:
+        raise ConfigError("dist.sync_every_s: the time-boxed inner phase is not available yet; "
+                          "remove it and set dist.inner_steps")
+    if d.fragments > d.inner_steps:
+        raise ConfigError(f"dist.fragments: {d.fragments} exceeds dist.inner_steps ({d.inner_steps}); "
+                          "each fragment needs at least one inner step per round")
+    if d.overlap_steps >= d.inner_steps:
+        raise ConfigError(f"dist.overlap_steps: {d.overlap_steps} must be below dist.inner_steps ({d.inner_steps}): "
+                          "a fragment's sync must land before its next one starts")
 
 
 def config_from_dict(data: dict) -> Config:

@@ -17,9 +17,11 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .jaccl import is_mlx_hostfile, read_mlx_hostfile, to_openmpi_hostfile
 from .markers import SUPERVISED_ENV, Exit
 from .mpirun import mpirun_command
 from .supervisor import Remote, supervise
@@ -99,6 +101,7 @@ class Launch:
     ssh_agent: Path | None = None
     network: str | None = None
     notes: list[str] = field(default_factory=list)
+    exports: list[str] = field(default_factory=list)  # NAME=VALUE for every rank
 
     @property
     def n_ranks(self) -> int:
@@ -119,7 +122,7 @@ class Launch:
         # host, so the supervisor (or a user) can find what a failed job left behind.
         program = [python, "-X", f"mlxdist_job={tag}", "-m", "mlxdist.train", *train_args]
         return mpirun_command(program, hostfile=self.hostfile, np=self.n_ranks, ssh_agent=self.ssh_agent,
-                              network=self.network, tcp_links=tcp_links, env=[*env, f"{SUPERVISED_ENV}=1"],
+                              network=self.network, tcp_links=tcp_links, env=[*env, *self.exports, f"{SUPERVISED_ENV}=1"],
                               mpirun=_mpirun_beside(python))
 
 
@@ -132,8 +135,11 @@ def _mpirun_beside(python: str) -> str:
 def plan_hostfile(path: str, ssh_agent: str | None, iface: str | None) -> Launch:
     """A user's hostfile; one that `launch/simcluster` wrote brings its stand-in and subnet."""
     hostfile = Path(path)
+    exports, notes = [], []
+    if is_mlx_hostfile(hostfile):
+        hostfile, exports, notes = _from_mlx_hostfile(hostfile)
     hosts = read_hostfile(hostfile)
-    launch = Launch(hostfile, hosts, Path(ssh_agent) if ssh_agent else None, iface)
+    launch = Launch(hostfile, hosts, Path(ssh_agent) if ssh_agent else None, iface, notes, exports)
     if ssh_agent is None and (hostfile.parent / "state.json").is_file() and (hostfile.parent / "ssh-agent").is_file():
         from .rig.simcluster import SimCluster
 
@@ -143,6 +149,21 @@ def plan_hostfile(path: str, ssh_agent: str | None, iface: str | None) -> Launch
     if launch.ssh_agent is not None and not launch.ssh_agent.is_file():
         raise LaunchError(f"ssh agent {launch.ssh_agent}: not found")
     return launch
+
+
+def _from_mlx_hostfile(path: Path) -> tuple[Path, list[str], list[str]]:
+    """A JSON hostfile from `mlx.distributed_config`: the same hosts as an Open MPI
+    hostfile for mpirun, its `envs` exported to every rank, and its path handed to the
+    ranks (MLXDIST_MLX_HOSTFILE) so `mlx-jaccl` builds the RDMA device matrix from it."""
+    try:
+        hf = read_mlx_hostfile(path)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    out = Path(tempfile.mkdtemp(prefix="mlxrun-")) / f"{path.stem}.hosts"
+    out.write_text(to_openmpi_hostfile(hf))
+    note = (f"{path} is an mlx.distributed_config hostfile ({len(hf.hosts)} ranks"
+            + (f", backend {hf.backend}" if hf.backend else "") + f"): launching from {out}")
+    return out, [*hf.envs, f"MLXDIST_MLX_HOSTFILE={path.resolve()}"], [note]
 
 
 def plan_simcluster(name: str, select: str | None, iface: str | None) -> Launch:

@@ -66,6 +66,17 @@ class Metrics:
         counts = RestartCounts.from_env()
         self.restarts.inc(counts.restarts)
         self.lost_steps.inc(counts.lost_steps)
+        self.outer_syncs = counter("mlxdist_outer_syncs", "DiLoCo outer syncs (one per fragment synced)")
+        self.outer_sync_seconds = hist("mlxdist_outer_sync_seconds", "DiLoCo outer sync time (exchange of one fragment)")
+        self.outer_sync_bytes = counter("mlxdist_outer_sync_bytes", "DiLoCo pseudo-gradient bytes this rank sent")
+        self.pseudo_grad_norm = gauge("mlxdist_pseudo_grad_norm", "L2 norm of the last averaged pseudo-gradient")
+        self.inner_steps = gauge("mlxdist_inner_steps", "Inner steps this rank ran before its last outer sync")
+        # A stalled rank still answers scrapes but stops moving this; the stalled-rank alert in
+        # configs/prometheus-rules.yml watches `time() - it`. Set at start so a rank stuck
+        # before its first step is caught too.
+        self.last_step_time = gauge("mlxdist_last_step_timestamp_seconds",
+                                    "Unix time this rank last finished a step (its start, before the first)")
+        self.last_step_time.set_to_current_time()
         self.decisions = Counter("mlxdist_controller_decisions", "Controller decisions",
                                  [*lab, "controller", "action"], registry=r)
         self.build = Info("mlxdist_build", "Version and run settings", lab, registry=r)
@@ -80,6 +91,8 @@ class Metrics:
             self.eval_loss.set(fields["eval_loss"])
         elif kind == "checkpoint":
             self.checkpoint_seconds.observe(fields["seconds"])
+        elif kind == "outer_sync":
+            self._observe_outer(fields)
         elif kind in _COUNTERS:
             getattr(self, _COUNTERS[kind]).inc()
         if kind in _DECISIONS:
@@ -88,6 +101,7 @@ class Metrics:
 
     def _observe_step(self, f: dict[str, Any]) -> None:
         self.steps.inc()
+        self.last_step_time.set_to_current_time()
         self.tokens.inc(f["tokens"])
         self.samples.inc(f["samples"])
         self.loss.set(f["loss"])
@@ -104,6 +118,13 @@ class Metrics:
         self.memory_active.set(f["memory_active_bytes"])
         self.memory_peak.set(f["memory_peak_bytes"])
         self.memory_limit.set(f["memory_limit_bytes"])
+
+    def _observe_outer(self, f: dict[str, Any]) -> None:
+        self.outer_syncs.inc()
+        self.outer_sync_seconds.observe(f["seconds"])
+        self.outer_sync_bytes.inc(f["bytes"])
+        self.pseudo_grad_norm.set(f["pseudo_grad_norm"])
+        self.inner_steps.set(f["inner_steps"])
 
     def decision(self, controller: str, action: str) -> None:
         self.decisions.labels(**self.labels, controller=controller, action=action).inc()

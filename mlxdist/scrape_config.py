@@ -6,12 +6,18 @@ silently drops a rank from the dashboard. Reading the same hostfile that `launch
 uses keeps the two in step.
 
     python -m mlxdist.scrape_config --hostfile hostfiles/studio+macbook.hosts [--port 9400]
+        [--rules configs/prometheus-rules.yml]
+
+With `--rules` the output is a whole Prometheus config (`prometheus --config.file=...`): the
+alert rules are loaded and evaluated as often as the ranks are scraped.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from .launcher import HostEntry, LaunchError, read_hostfile
 
@@ -29,9 +35,19 @@ def targets(hosts: list[HostEntry], port: int) -> list[tuple[int, str]]:
     return out
 
 
-def render(hosts: list[HostEntry], port: int, interval: str = "5s") -> str:
+def _quoted(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"  # a YAML single-quoted scalar
+
+
+def render(hosts: list[HostEntry], port: int, interval: str = "5s", rules: Sequence[Path] = ()) -> str:
     # Written by hand rather than with yaml.dump so each target carries its rank as a comment.
-    lines = ["scrape_configs:",
+    lines: list[str] = []
+    if rules:
+        # Prometheus evaluates rules every minute by default: a stalled rank would be seen late.
+        lines += ["global:", f"  evaluation_interval: {interval}", "rule_files:"]
+        # Absolute: Prometheus resolves relative rule paths against the config file's folder.
+        lines += [f"  - {_quoted(str(r.resolve()))}" for r in rules]
+    lines += ["scrape_configs:",
              f"  - job_name: {JOB}",
              f"    scrape_interval: {interval}",
              "    # rank and host come from the metrics' own labels; keep them over target labels",
@@ -48,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostfile", required=True, help="Open MPI hostfile (`name slots=N` lines)")
     ap.add_argument("--port", type=int, default=9400, help="metrics.port of the run (rank i on a host uses port+i)")
     ap.add_argument("--interval", default="5s", help="scrape_interval (default 5s: steps are short)")
+    ap.add_argument("--rules", action="append", default=[], type=Path, metavar="FILE",
+                    help="alert rules to load (configs/prometheus-rules.yml); makes a whole Prometheus config")
     args = ap.parse_args(argv)
     if not 0 < args.port < 65536:
         print(f"scrape_config: --port {args.port} is not a TCP port (1-65535)", file=sys.stderr)
@@ -61,7 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     if top > 65535:
         print(f"scrape_config: ports {args.port}..{top} run past 65535; choose a lower --port", file=sys.stderr)
         return 2
-    sys.stdout.write(render(hosts, args.port, args.interval))
+    for r in args.rules:
+        if not r.is_file():
+            print(f"scrape_config: --rules {r}: no such file; pass the path of configs/prometheus-rules.yml",
+                  file=sys.stderr)
+            return 2
+    sys.stdout.write(render(hosts, args.port, args.interval, args.rules))
     return 0
 
 

@@ -129,6 +129,7 @@ class Trainer:
         self.stop_reason: str | None = None
         self.self_check = SelfCheck(cfg.dist.sync_weights_every if w.size > 1 else 0)
         self._drift_restored_to: int | None = None
+        self.outer = self._outer_sync()
 
         backend = resolve_backend(cfg.dist.backend) if w.size > 1 else "single"
         metrics.set_build(engine=self.engine.name, backend=backend, world_size=str(w.size))
@@ -158,6 +159,7 @@ class Trainer:
                 memory = self.adapt(compute_s)
                 if self.check_drift():
                     continue
+                self.sync_outer(ended=self.state.step >= self.cfg.train.steps)
                 self.report_step(stats, lr, compute_s, memory, time.perf_counter() - t_step)
                 last = self.state.step >= self.cfg.train.steps or self.stop_reason is not None
                 if self.evaluator.due(self.state.step, last):
@@ -268,8 +270,8 @@ class Trainer:
         one that passed its own check), else from the latest checkpoint (DESIGN promise 3).
         True when it went back to a checkpoint (the step is then redone)."""
         every = self.cfg.dist.sync_weights_every
-        if self.world.size == 1 or not every or self.state.step % every:
-            return False
+        if self.world.size == 1 or not every or self.state.step % every or self.outer is not None:
+            return False  # DiLoCo ranks differ between outer syncs by design
         step, mine = self.state.step, self.engine.weight_checksum()
         gathered = self.world.allgather((mine, self.self_check.verify(step, mine)))
         verdict = drift_verdict([g[0] for g in gathered], [g[1] for g in gathered], self.hosts)
@@ -294,6 +296,15 @@ class Trainer:
         self.engine.broadcast_state(verdict.source_rank)
         self.report.emit("drift_repair", f"drift: step {step}: {verdict.message}", **fields)
         return False
+
+    def sync_outer(self, ended: bool) -> None:
+        """dist.mode=diloco: the outer step of the fragments that are due; all of them when
+        the run reaches train.steps, so it ends on one model. (A stopped run does not: it
+        saves each rank's round, so a resume continues exactly.)"""
+        if self.outer is None:
+            return
+        for s in self.outer.after_step(self.engine, self.plan.shares[self.world.rank], ended):
+            self._report_outer(s)
 
     def report_step(self, stats: StepStats, lr: float, compute_s: float, memory: MemoryReading,
                     step_s: float) -> None:
@@ -331,14 +342,15 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         batch_states = self.world.allgather(self.ctl.batch.state_dict())
+        opt, opt_step = self.engine.get_optimizer_state()
+        weights = self._save_outer(opt_step, opt) if self.outer is not None else None
         if self.checkpoints.writes:  # rank 0; with checkpoint.on_every_host each host's first rank too
-            opt, opt_step = self.engine.get_optimizer_state()
             meta = ckpt.CheckpointMeta(
                 run=self.state, optimizer_step=opt_step, controllers=self.ctl.state_dict(batch_states, self.plan),
                 world_size=self.world.size, hosts=self.hosts, engine=self.engine.name, config=self.cfg.to_dict(),
                 global_batch=self.plan.global_batch, base_fingerprint=self.engine.base_fingerprint,
                 base_files=dict(self.engine.base.files) if self.engine.base else {})
-            path, seconds = self.checkpoints.save(self.state.step, self.engine.get_weights(), opt, meta)
+            path, seconds = self.checkpoints.save(self.state.step, weights or self.engine.get_weights(), opt, meta)
             self.report.emit("checkpoint", f"checkpoint: {path} ({seconds:.2f}s)", step=self.state.step,
                              path=str(path), seconds=seconds)
         # Peers wait here, with a longer stall allowance, rather than in the next step's
@@ -366,6 +378,8 @@ class Trainer:
         self.ctl.load_state_dict(meta.controllers, self.plan, self.world.rank, same_cluster=same_cluster,
                                  rolling_back=rolling_back)
         self.engine.broadcast_state(0)
+        if self.outer is not None:
+            self._restore_outer(loaded, meta)
 
     def _check_checkpoint_base(self, path: Path, meta: ckpt.CheckpointMeta) -> None:
         mine = self.engine.base_fingerprint
@@ -392,11 +406,65 @@ class Trainer:
             self.report.say(f"stopped after step {s.step}: {self.stop_reason}")
         if self.world.is_main:
             self.report.say(f"done: step {s.step}, last loss {stats.loss:.4f}" if stats else f"done: step {s.step}")
+        if self.outer is not None:
+            self.outer.close()
         self.report.progress.close()
         self.report.emit("end", step=s.step, reason=self.stop_reason or "completed")
         self.report.close()
         if self.world.is_main:  # last line: launch/mlxrun exits 0 only after it
             announce_complete(s.step, self.stop_reason or "completed")
+
+    # ------------------------------------------------------------------ DiLoCo
+    def _outer_sync(self):
+        if self.cfg.dist.mode != "diloco":
+            return None
+        from .sync.outer_loop import OuterSync, describe
+
+        if self.world.is_main:
+            self.report.say(describe(self.cfg.dist))
+        return OuterSync(self.cfg.dist, self.engine.get_weights(), self.world.comm)
+
+    def _report_outer(self, s) -> None:
+        d = self.cfg.dist
+        self.report.emit(
+            "outer_sync", f"diloco: step {self.state.step}: fragment {s.fragment + 1}/{d.fragments} synced, "
+            f"{s.bytes / 1e6:.2f} MB in {s.seconds:.2f}s; pseudo-gradient norm {s.pseudo_grad_norm:.4g}; "
+            f"{s.inner_steps} inner steps, {s.samples} of {s.total_samples} samples here",
+            step=self.state.step, fragment=s.fragment, seconds=s.seconds, bytes=s.bytes,
+            pseudo_grad_norm=s.pseudo_grad_norm, inner_steps=s.inner_steps, samples=s.samples,
+            total_samples=s.total_samples)
+
+    def _save_outer(self, opt_step: int, opt: dict) -> dict:
+        """Every rank writes its own state (local weights, moments, round); rank 0's
+        checkpoint gets the shared outer state, and the anchors as the model's weights."""
+        from .rank_state import RankStateInfo
+
+        for s in self.outer.drain(self.engine):
+            self._report_outer(s)
+        w = self.world
+        self.outer.save_rank_state(self.run_dir / "rank_state", RankStateInfo(
+            self.state.step, w.rank, w.size, self.hosts, opt_step), self.engine, self.cfg.checkpoint.keep_last)
+        opt.update(self.outer.shared_state())
+        return self.outer.anchors()
+
+    def _restore_outer(self, loaded: ckpt.Loaded | None, meta: ckpt.CheckpointMeta) -> None:
+        """Exact when every rank finds its own file of that step from this same cluster;
+        otherwise (fewer hosts, a file lost with its host) from the shared state alone."""
+        from . import rank_state
+
+        w = self.world
+        shared = w.bcast({k: v for k, v in loaded.optimizer.items() if k.startswith("outer.")} if w.is_main else None)
+        try:
+            own, opt_step = rank_state.load(self.run_dir / "rank_state", meta.run.step, w.rank, w.size, self.hosts)
+            why = ""
+        except rank_state.RankStateMissing as e:
+            own, opt_step, why = None, meta.optimizer_step, str(e)
+        reasons = [r for r in w.allgather(why) if r]
+        if reasons:
+            own = None
+            self.report.say(f"diloco: resuming from the shared outer state only ({reasons[0]}); each rank restarts "
+                            "its round from the last synced weights")
+        self.outer.restore(shared, own, self.engine, opt_step if own is not None else meta.optimizer_step)
 
     # ------------------------------------------------------------------ helpers
     def _datasets(self, base):

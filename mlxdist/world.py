@@ -99,6 +99,21 @@ class World:
             with self.watch(what, patience):
                 self.comm.Barrier()
 
+    def rendezvous(self, what: str) -> None:
+        """Wait until every rank gets here, sleeping rather than spinning.
+
+        Open MPI busy-polls inside a blocking collective, so a fast Mac waiting for a slow
+        one would burn a core (and a MacBook's battery) for nothing, and where ranks share
+        cores the spinning one steals them from the one still computing. Entering the
+        step's collectives only once all ranks have arrived keeps their spin short."""
+        if self.comm is None:
+            return
+        with self.watch(what):
+            req, pause = self.comm.Ibarrier(), 2e-5
+            while not req.Test():
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+
     def abort(self, message: str, code: int = 3, reason: str = "error") -> None:
         """End every rank of the job: a half-dead job that hangs is the worst outcome.
 

@@ -1,4 +1,5 @@
-"""Shared helpers: run the real CLI in a subprocess, with or without mpirun."""
+"""Shared helpers: run the real CLI in a subprocess, with or without mpirun, and a namespace
+cluster for a test module."""
 
 from __future__ import annotations
 
@@ -86,3 +87,25 @@ def assert_same_weights(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     worst = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
     assert worst <= atol, f"max weight difference {worst:.3g} > {atol}"
+
+
+def namespace_cluster(tmp_path_factory: pytest.TempPathFactory, hosts: int, name: str, subnet: str):
+    """Body of a module-scoped cluster fixture (`yield from` it): `hosts` namespace hosts, torn
+    down after the module; ranks import mlxdist from this checkout wherever mpirun starts them.
+    Skips with the reason where namespaces cannot be made (not root, no iproute2)."""
+    from mlxdist.rig import simcluster
+
+    ok, why = simcluster.available()
+    if not ok:
+        pytest.skip(why)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
+    try:
+        with simcluster.SimCluster(hosts, name=name, subnet=subnet,
+                                   state_dir=tmp_path_factory.mktemp(name)) as c:
+            yield c
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old

@@ -49,7 +49,8 @@ RING = textwrap.dedent("""
     import mlx.core as mx
     import numpy as np
     from mlxdist.collective import Mpi4pyCollective, ring_allreduce
-    from mlxdist.sync import GradSync, checksum
+    from mlxdist.engine.common import checksum
+    from mlxdist.sync.grad import GradSync
     from mlxdist.world import init_world
 
     world = init_world("mpi4py")

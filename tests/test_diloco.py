@@ -478,7 +478,7 @@ else:  # background exchanges on their own communicator
         ov.step()
         for k in s.dl.advance(b):
             ov.submit(k, [s.local[i] for i in s.dl.fragment_params(k)])
-        for k, new in ov.ready(lambda idx: [s.local[i] for i in idx]):
+        for k, new, _ in ov.ready(lambda idx: [s.local[i] for i in idx]):
             for i, w in zip(s.dl.fragment_params(k), new):
                 s.local[i] = w
     ov.close()
@@ -588,7 +588,7 @@ def run_overlapped(batches, period, fragments, steps, delay, alpha, wire="float3
                 ov.step()
                 for k in s.dl.advance(batches[r]):
                     ov.submit(k, [s.local[i] for i in s.dl.fragment_params(k)])
-                for k, new in ov.ready(lambda idx: [s.local[i] for i in idx]):
+                for k, new, _ in ov.ready(lambda idx: [s.local[i] for i in idx]):
                     for i, w in zip(s.dl.fragment_params(k), new, strict=True):
                         s.local[i] = w
         except BaseException as e:  # noqa: BLE001 (re-raised below)

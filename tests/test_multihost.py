@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -22,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, mpirun_path
+from helpers import ROOT, mpirun_path, namespace_cluster
 
-from mlxdist.rig import simcluster
 from mlxdist.rig.simcluster import SimCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.netns]
@@ -36,27 +34,9 @@ STALL_S = 10.0
 MARGIN_S = 30.0
 
 
-
-def _namespace_cluster(tmp_path_factory: pytest.TempPathFactory, hosts: int, name: str, subnet: str):
-    """A module's cluster; ranks import mlxdist from this checkout wherever mpirun starts them."""
-    ok, why = simcluster.available()
-    if not ok:
-        pytest.skip(why)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
-    try:
-        with SimCluster(hosts, name=name, subnet=subnet, state_dir=tmp_path_factory.mktemp(name)) as c:
-            yield c
-    finally:
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    yield from _namespace_cluster(tmp_path_factory, 2, "mlxmh", "10.77.21")
+    yield from namespace_cluster(tmp_path_factory, 2, "mlxmh", "10.77.21")
 
 def _cmd(c: SimCluster, *args: str, config: Path | None = None) -> list[str]:
     # Options before the key=value overrides: argparse takes one run of positionals.
@@ -239,7 +219,7 @@ LONG = ["train.steps=10000", "train.batch_size=4", "dist.backend=mpi4py", f"dist
 
 @pytest.fixture(scope="module")
 def cluster3(tmp_path_factory: pytest.TempPathFactory):
-    yield from _namespace_cluster(tmp_path_factory, 3, "mlxlt", "10.79.0")
+    yield from namespace_cluster(tmp_path_factory, 3, "mlxlt", "10.79.0")
 
 def _train_args(out: Path, *args: str) -> list[str]:
     return [*TRAIN[2:], *LONG, f"train.out_dir={out}", *args]

@@ -57,3 +57,16 @@ def test_a_step_event_sets_the_step_series(tmp_path):
     assert [s.value for s in _samples(metrics, "mlxdist_loss")] == [2.5]
     assert [s.value for s in _samples(metrics, "mlxdist_tokens") if s.name.endswith("_total")] == [512.0]
     assert [s.value for s in _samples(metrics, "mlxdist_sync_bytes") if s.name.endswith("_total")] == [4096.0]
+
+
+def test_an_outer_sync_sets_the_diloco_series(tmp_path):
+    report, metrics = _reporter(tmp_path)
+    for seconds in (0.5, 0.7):
+        report.emit("outer_sync", "diloco: step 50: fragment 1/1 synced", step=50, fragment=0, seconds=seconds,
+                    bytes=1000, pseudo_grad_norm=0.25, inner_steps=50, samples=100, total_samples=300)
+    report.close()
+    assert [s.value for s in _samples(metrics, "mlxdist_outer_syncs") if s.name.endswith("_total")] == [2.0]
+    assert [s.value for s in _samples(metrics, "mlxdist_outer_sync_bytes") if s.name.endswith("_total")] == [2000.0]
+    assert [s.value for s in _samples(metrics, "mlxdist_outer_sync_seconds") if s.name.endswith("_sum")] == [1.2]
+    assert [s.value for s in _samples(metrics, "mlxdist_pseudo_grad_norm")] == [0.25]
+    assert [s.value for s in _samples(metrics, "mlxdist_inner_steps")] == [50.0]

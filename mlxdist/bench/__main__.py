@@ -1,4 +1,4 @@
-"""`python -m mlxdist.bench {overhead,allreduce,balance,load,finetune}`: speed claims, measured as ratios.
+"""`python -m mlxdist.bench {overhead,allreduce,balance,diloco,load,finetune}`: speed claims, measured as ratios.
 
 Every benchmark runs its baseline in the same process run, interleaved, because these
 machines are noisy: only ratios measured side by side mean anything.
@@ -12,7 +12,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m mlxdist.bench {overhead,allreduce,balance,load,finetune} [options]")
+        print("usage: python -m mlxdist.bench {overhead,allreduce,balance,diloco,load,finetune} [options]")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     try:
@@ -38,6 +38,10 @@ def _run(name: str, rest: list[str]) -> int:
         from .balance import main as balance_main
 
         return balance_main(rest)
+    if name == "diloco":
+        from .diloco import main as diloco_main
+
+        return diloco_main(rest)
     if name == "load":
         from ..blas import ensure_openblas
 
@@ -49,7 +53,7 @@ def _run(name: str, rest: list[str]) -> int:
         from .finetune import main as finetune_main
 
         return finetune_main(rest)
-    print(f"error: unknown benchmark '{name}' (overhead, allreduce, balance, load, finetune)", file=sys.stderr)
+    print(f"error: unknown benchmark '{name}' (overhead, allreduce, balance, diloco, load, finetune)", file=sys.stderr)
     return 2
 
 

@@ -111,7 +111,7 @@ def _worker(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ..collective import make_collective
-    from ..sync import GradSync
+    from ..sync.grad import GradSync
     from ..world import init_world
 
     family = args._worker

@@ -27,57 +27,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from ..world import find_mpirun
+from .runs import cluster_run, set_env, solo_rates, steady_rate
 
-REPO = Path(__file__).resolve().parents[2]
 # Compute must dominate the gradient all-reduce, or no split can reach the ideal.
 BASE = ["data.source=synthetic", "data.seq_len=128", "model.preset=tiny", "metrics.port=0",
         "train.progress=false", "train.eval_every=0", "checkpoint.every=0",
         "dist.sync_weights_every=0", "train.warmup_steps=2"]
 
-
-
-def _set_env() -> None:
-    """One BLAS thread per rank: a host's quota is under one core, and extra threads only contend.
-
-    Set in os.environ, not a copy: `mpirun_args` forwards only variables set here.
-    """
-    os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-
-
-def read_events(run_dir: Path) -> list[dict]:
-    log = run_dir / "logs" / "rank0.jsonl"
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-
-
-def steady_rate(events: list[dict], skip: int) -> float:
-    """Samples/s over the step events after `skip`, timed by wall clock between events.
-
-    Event timestamps rather than summed `step_s`: the time between two steps' events is
-    everything the run spent, logging and the balancer's all-gather included.
-    """
-    steps = [e for e in events if e["event"] == "step"]
-    if len(steps) < skip + 2:
-        raise RuntimeError(f"only {len(steps)} steps logged; need more than {skip + 1}")
-    kept = steps[skip:]
-    seconds = kept[-1]["time"] - kept[0]["time"]
-    samples = sum(sum(e["shares"]) for e in kept[1:])
-    return samples / max(seconds, 1e-9)
-
-
-def _check(res: subprocess.CompletedProcess, what: str) -> None:
-    if res.returncode != 0:
-        out = (res.stdout or "") + (res.stderr or "")
-        raise RuntimeError(f"{what} failed (exit {res.returncode}):\n{out[-3000:]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     # One micro-batch per rank whatever the split: accumulation would add per-micro-batch
     # overhead that depends on the share and blur the speed the balancer measures.
     common = [*BASE, f"train.batch_size={g}", f"train.global_batch={g}", *args.overrides]
-    _set_env()
+    set_env()
     t_start = time.perf_counter()
     result: dict = {"hosts": n, "mode": args.mode, "global_batch": g, "steps": args.steps}
     with tempfile.TemporaryDirectory(prefix="mlxbal-") as tmp, SimCluster(
@@ -141,33 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         result["hosts_setup"] = {cluster.hostname(h): v for h, v in how.items()}
 
         def solos(tag: str) -> list[float]:
-            """Every host alone, all at once: each faces the same contention for this
-            machine's cores as in the cluster runs, which a real Mac would not."""
-            procs = []
-            for h in range(1, n + 1):
-                run_dir = Path(tmp) / f"solo-{tag}-{h}"
-                cmd = [sys.executable, "-m", "mlxdist.train", *common,
-                       f"train.steps={args.solo_steps}", f"train.out_dir={run_dir}"]
-                procs.append((h, run_dir, cluster.popen(h, cmd, stdout=subprocess.PIPE,
-                                                        stderr=subprocess.STDOUT, text=True, cwd=REPO)))
-            rates = []
-            for h, run_dir, proc in procs:
-                out, _ = proc.communicate(timeout=args.timeout)
-                _check(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""),
-                       f"solo run on host {h}")
-                rates.append(steady_rate(read_events(run_dir), args.skip))
-            return rates
+            return solo_rates(cluster, [*common, f"train.steps={args.solo_steps}"], Path(tmp), tag, args.skip,
+                              args.timeout)
 
         def together(name: str, balance: bool) -> list[dict]:
-            run_dir = Path(tmp) / name
-            cmd = [find_mpirun(), *cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", str(n),
-                   sys.executable, "-m", "mlxdist.train", *common,
-                   f"train.steps={args.steps}", f"train.out_dir={run_dir}",
-                   f"control.balance={'true' if balance else 'false'}"]
-            res = subprocess.run(cmd, capture_output=True, text=True,
-                                 timeout=args.timeout, cwd=REPO)
-            _check(res, f"{n}-rank run ({name})")
-            return read_events(run_dir)
+            return cluster_run(cluster, [*common, f"train.steps={args.steps}",
+                                         f"control.balance={'true' if balance else 'false'}"], Path(tmp) / name,
+                               args.timeout)
 
         before = solos("before")
         equal_events = together("equal", balance=False)
@@ -177,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         after = solos("after")
         # Load from other jobs drifts over minutes: the ideal is the mean of solo rates
         # taken before and after the cluster runs, and both are printed.
-        solo_rates = [(a + b) / 2 for a, b in zip(before, after, strict=True)]
-        ideal = sum(solo_rates)
+        solo_mean = [(a + b) / 2 for a, b in zip(before, after, strict=True)]
+        ideal = sum(solo_mean)
         print("solo: " + ", ".join(f"host {h} ({how[h]}) {b:.1f} before, {a:.1f} after"
                                    for h, b, a in zip(range(1, n + 1), before, after, strict=True))
               + f" samples/s; ideal (sum of means) {ideal:.1f} samples/s "
@@ -192,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"balanced: {balanced:.1f} samples/s = {balanced / ideal:.3f} of ideal "
               f"(target >= 0.95); {balanced / equal:.2f}x the equal split", flush=True)
         final = steps[-1]["shares"]
-        want = [round(g * r / ideal, 1) for r in solo_rates]
+        want = [round(g * r / ideal, 1) for r in solo_mean]
         kept = steps[args.balance_skip:]
         sync = statistics.median(e["sync_s"] / e["step_s"] for e in kept) if kept else 0.0
         print(f"final shares {final} of {g} (proportional to solo speed: {want}); "

@@ -22,7 +22,7 @@ from ..config import Config
 from ..data.batch import TokenBatch
 from ..memory import MemoryReading, with_override
 from ..models.build import BuiltModel
-from ..sync import GradSync
+from ..sync.grad import GradSync, SyncStats
 from ..world import World
 from .base import StepStats
 from .common import as_batch, check_weights, checksum, decays, sample_tokens
@@ -39,6 +39,7 @@ class MLXEngine:
         self.world = world or World()
         self.collective = collective or Collective()
         self.sync = GradSync(self.collective, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
+        self.local_steps = cfg.dist.mode == "diloco"
         self.device = str(mx.default_device())
         self.compute_dtype = DTYPES[cfg.model.dtype]
         self.model = built.module
@@ -107,14 +108,21 @@ class MLXEngine:
     def step(self, lr: float) -> StepStats:
         if self._grads is None:
             raise RuntimeError("step() without micro_step(): no gradients to apply")
-        grads, sync = self.sync.all_sum([self._grads[n] for n in self.names])
-        loss_sum, tokens = self.world.allreduce_sum([self._loss_sum.item(), self._tokens])
-        grads = [g * (1.0 / max(tokens, 1)) for g in grads]
-        norm = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
+        self.world.rendezvous("waiting for the other ranks to finish computing")
+        if self.local_steps:
+            grads, norm, sync = self._local_gradients()
+            loss_sum, tokens, square_sum = self.world.allreduce_sum([self._loss_sum.item(), self._tokens, norm * norm])
+            # Ranks must agree on skip and rollback decisions: they see the cluster's RMS norm.
+            reported = math.sqrt(square_sum / self.world.size)
+        else:
+            grads, sync = self.sync.all_sum([self._grads[n] for n in self.names])
+            loss_sum, tokens = self.world.allreduce_sum([self._loss_sum.item(), self._tokens])
+            grads = [g * (1.0 / max(tokens, 1)) for g in grads]
+            norm = reported = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
         self._reset_accumulators()
-        stats = StepStats(loss_sum, int(tokens), norm, skipped=False,
+        stats = StepStats(loss_sum, int(tokens), reported, skipped=False,
                           sync_seconds=sync.seconds, sync_bytes=sync.bytes)
-        if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+        if not (math.isfinite(loss_sum) and math.isfinite(reported)):
             stats.skipped = True
             return stats
         clip = self.cfg.train.grad_clip
@@ -129,6 +137,13 @@ class MLXEngine:
         mx.eval(self.params, self.m, self.v)
         self.opt_step = t
         return stats
+
+    def _local_gradients(self) -> tuple[list[mx.array], float, SyncStats]:
+        """dist.mode=diloco: this rank's own gradient, averaged over its own tokens; the
+        ranks meet only in the outer step."""
+        grads = [self._grads[n] * (1.0 / max(self._tokens, 1)) for n in self.names]
+        norm = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
+        return grads, norm, SyncStats()
 
     def discard_gradients(self) -> None:
         self._reset_accumulators()

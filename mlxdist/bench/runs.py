@@ -1,0 +1,77 @@
+"""What the namespace-cluster benchmarks share: launching solo and cluster runs on
+`SimCluster` hosts and reading their rates back from the event logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ..world import find_mpirun
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def set_env() -> None:
+    """One BLAS thread per rank: the hosts share this machine's few cores, and extra
+    threads only contend. Set in os.environ, not a copy: `mpirun_args` forwards only
+    variables set here."""
+    os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    log = run_dir / "logs" / "rank0.jsonl"
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def steady_rate(events: list[dict], skip: int) -> float:
+    """Samples/s over the step events after `skip`, timed by wall clock between events.
+
+    Event timestamps rather than summed `step_s`: the time between two steps' events is
+    everything the run spent, logging, all-gathers and outer syncs included.
+    """
+    steps = [e for e in events if e["event"] == "step"]
+    if len(steps) < skip + 2:
+        raise RuntimeError(f"only {len(steps)} steps logged; need more than {skip + 1}")
+    kept = steps[skip:]
+    seconds = kept[-1]["time"] - kept[0]["time"]
+    samples = sum(sum(e["shares"]) for e in kept[1:])
+    return samples / max(seconds, 1e-9)
+
+
+def check(res: subprocess.CompletedProcess, what: str) -> None:
+    if res.returncode != 0:
+        out = (res.stdout or "") + (res.stderr or "")
+        raise RuntimeError(f"{what} failed (exit {res.returncode}):\n{out[-3000:]}")
+
+
+def solo_rates(cluster, args: list[str], tmp: Path, tag: str, skip: int, timeout: float) -> list[float]:
+    """Every host alone, all at once: each faces the same contention for this machine's
+    cores as in the cluster runs (which a real Mac would not). Their sum is the
+    no-communication bound."""
+    procs = []
+    for h in range(1, len(cluster.hosts) + 1):
+        run_dir = tmp / f"solo-{tag}-{h}"
+        cmd = [sys.executable, "-m", "mlxdist.train", *args, f"train.out_dir={run_dir}"]
+        procs.append((h, run_dir, cluster.popen(h, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                text=True, cwd=REPO)))
+    rates = []
+    for h, run_dir, proc in procs:
+        out, _ = proc.communicate(timeout=timeout)
+        check(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""), f"solo run on host {h}")
+        rates.append(steady_rate(read_events(run_dir), skip))
+    return rates
+
+
+def cluster_run(cluster, args: list[str], run_dir: Path, timeout: float) -> list[dict]:
+    """One mpirun job over every host of the cluster; its rank-0 events."""
+    n = len(cluster.hosts)
+    cmd = [find_mpirun(), *cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", str(n),
+           sys.executable, "-m", "mlxdist.train", *args, f"train.out_dir={run_dir}"]
+    check(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO), f"{n}-rank run ({run_dir.name})")
+    return read_events(run_dir)

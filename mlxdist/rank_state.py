@@ -1,0 +1,92 @@
+"""Per-rank checkpoint files: state that differs between ranks by design.
+
+In DDP every rank holds the same weights and moments, so rank 0's checkpoint is the whole
+truth. In DiLoCo each rank trains its own copy between outer syncs: its local weights,
+AdamW moments and wire residuals are its own. Exact resume needs them, so every rank
+writes one file next to the run (on its own host's disk: Macs share no filesystem), and
+reads it back only if every rank of the same cluster found a whole one. Otherwise the run
+resumes from the shared state alone, which is still correct, just not bit-identical.
+
+Layout: RUN_DIR/rank_state/step_NNNNNNNN/rankR.safetensors and rankR.json (the
+sha256 of the data file and what it belongs to). Written to a temporary name and renamed,
+so a crash leaves either the old file or the new one. Not compressed: trained fp32
+weights barely compress, and this file is written by every rank at every checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import from_safetensors, to_safetensors
+
+
+@dataclass
+class RankStateInfo:
+    step: int
+    rank: int
+    world_size: int
+    hosts: list[str]
+    optimizer_step: int
+    sha256: str = ""
+
+
+def _paths(root: Path, step: int, rank: int) -> tuple[Path, Path]:
+    d = root / f"step_{step:08d}"
+    return d / f"rank{rank}.safetensors", d / f"rank{rank}.json"
+
+
+def save(root: Path, info: RankStateInfo, arrays: dict[str, np.ndarray], keep: int) -> Path:
+    data_path, info_path = _paths(root, info.step, info.rank)
+    data_path.parent.mkdir(parents=True, exist_ok=True)
+    data = to_safetensors(arrays)
+    info.sha256 = hashlib.sha256(data).hexdigest()
+    for path, blob in ((data_path, data), (info_path, json.dumps(asdict(info)).encode())):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    _prune(root, info.rank, keep)
+    return data_path
+
+
+class RankStateMissing(Exception):
+    """This rank has no usable file for the step; the message says why."""
+
+
+def load(root: Path, step: int, rank: int, world_size: int, hosts: list[str]) -> tuple[dict[str, np.ndarray], int]:
+    """This rank's arrays for `step` and the optimizer's update count, if its file is whole
+    and was written by this same cluster; else RankStateMissing."""
+    data_path, info_path = _paths(root, step, rank)
+    if not info_path.is_file() or not data_path.is_file():
+        raise RankStateMissing(f"no rank state for step {step} in {root}")
+    try:
+        info = RankStateInfo(**json.loads(info_path.read_text()))
+    except (ValueError, TypeError):
+        raise RankStateMissing(f"{info_path} is unreadable") from None
+    if (info.step, info.rank, info.world_size, info.hosts) != (step, rank, world_size, hosts):
+        raise RankStateMissing(f"{data_path} was written by another cluster "
+                               f"({info.world_size} ranks on {', '.join(info.hosts)})")
+    data = data_path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != info.sha256:
+        raise RankStateMissing(f"{data_path} fails its sha256 check")
+    return from_safetensors(data), info.optimizer_step
+
+
+def _prune(root: Path, rank: int, keep: int) -> None:
+    """Keep this rank's newest `keep` files; other ranks prune their own."""
+    mine = sorted(p for p in root.glob(f"step_*/rank{rank}.json"))
+    for info_path in mine[:-keep] if keep else []:
+        data_path = info_path.with_name(f"rank{rank}.safetensors")
+        data_path.unlink(missing_ok=True)
+        info_path.unlink(missing_ok=True)
+        if not any(info_path.parent.iterdir()):
+            shutil.rmtree(info_path.parent, ignore_errors=True)
