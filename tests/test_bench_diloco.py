@@ -23,11 +23,11 @@ def test_smallest_run_reports_both_modes(tmp_path) -> None:
         pytest.skip(why)
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "mlxdist.bench", "diloco", "--preset", "tiny", "--steps", "8",
-                        "--inner-steps", "4", "--solo-steps", "5", "--skip", "1", "--eval-batches", "2",
+                        "--inner-steps", "4", "--wire", "bfloat16", "--solo-steps", "5", "--skip", "1", "--eval-batches", "2",
                         "--subnet", "10.77.53", "--json", str(out)],
                        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "| DDP |" in r.stdout and "| DiLoCo H=4 bfloat16 |" in r.stdout, r.stdout
+    assert "| DDP |" in r.stdout and "| DiLoCo H=4 bfloat16 mu=0.5 |" in r.stdout, r.stdout
     res = json.loads(out.read_text())
     for mode in ("ddp", "diloco"):
         assert res[mode]["samples_per_s"] > 0 and math.isfinite(res[mode]["eval_loss"]), res

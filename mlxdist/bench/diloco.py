@@ -51,9 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2, help="samples per host per step")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=100, help="steps of each cluster run (a multiple of --inner-steps)")
-    p.add_argument("--inner-steps", type=int, default=50)
-    p.add_argument("--wire", default="bfloat16", help="dist.outer_wire")
+    p.add_argument("--inner-steps", type=int, default=25)
+    p.add_argument("--wire", default="int8", help="dist.outer_wire")
     p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.5,
+                   help="0.5 for a run of a few rounds (0.9, the paper's, needs many; see README)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--solo-steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=3, help="warmup steps left out of the solo and DDP rates")
@@ -79,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
               f"train.lr={args.lr}", f"train.eval_batches={args.eval_batches}", *args.overrides]
     cluster_args = [*common, f"train.steps={args.steps}", f"train.eval_every={args.steps}"]
     diloco_args = ["dist.mode=diloco", f"dist.inner_steps={h}", f"dist.outer_wire={args.wire}",
-                   f"dist.fragments={args.fragments}"]
+                   f"dist.fragments={args.fragments}", f"dist.outer_lr={args.outer_lr}",
+                   f"dist.outer_momentum={args.outer_momentum}"]
     set_env()
     t_start = time.perf_counter()
     result: dict = {"hosts": n, "rate": args.rate, "preset": args.preset, "batch_per_host": args.batch,
-                    "seq_len": args.seq_len, "steps": args.steps, "inner_steps": h, "wire": args.wire}
+                    "seq_len": args.seq_len, "steps": args.steps, "inner_steps": h, "wire": args.wire,
+                    "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
     with tempfile.TemporaryDirectory(prefix="mlxdlc-") as tmp, SimCluster(
         n, name="mlxdlc", subnet=args.subnet, state_dir=Path(tmp) / "cluster", rate=args.rate
     ) as cluster:
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- |")
     print(f"| DDP | {ddp_rate:.2f} | {d['fraction_of_bound']:.3f} | {ddp_loss:.4f} | compute {d['compute_s']:.3f}s, "
           f"all-reduce {d['sync_s']:.3f}s of {d['sync_bytes_per_step'] / 1e6:.0f} MB |")
-    print(f"| DiLoCo H={h} {args.wire} | {dlc_rate:.2f} | {q['fraction_of_bound']:.3f} | {dlc_loss:.4f} "
+    print(f"| DiLoCo H={h} {args.wire} mu={args.outer_momentum:g} | {dlc_rate:.2f} | {q['fraction_of_bound']:.3f} | {dlc_loss:.4f} "
           f"({dlc_loss / ddp_loss - 1:+.1%}) | compute {q['compute_s']:.3f}s; outer sync {q['outer_sync_s']:.3f}s "
           f"of {q['outer_sync_bytes'] / 1e6:.0f} MB every {h} steps |")
     print(f"DiLoCo: {dlc_rate / ddp_rate:.2f}x DDP's throughput (target >= 0.9 of bound); eval loss within "
