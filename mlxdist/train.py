@@ -130,6 +130,7 @@ class Trainer:
         self.self_check = SelfCheck(cfg.dist.sync_weights_every if w.size > 1 else 0)
         self._drift_restored_to: int | None = None
         self.outer = self._outer_sync()
+        self._rollback_wanted = False
 
         backend = resolve_backend(cfg.dist.backend) if w.size > 1 else "single"
         metrics.set_build(engine=self.engine.name, backend=backend, world_size=str(w.size))
@@ -198,7 +199,8 @@ class Trainer:
         return compute_s
 
     def optimizer_step(self) -> tuple[float, StepStats]:
-        """Sync gradients and update; every rank sees the same loss and norm."""
+        """Sync gradients and update (DDP: every rank sees the same loss and norm; DiLoCo:
+        each its own)."""
         lr = self.ctl.schedule(self.state.step, self.state.lr_scale * self.state.plateau_scale)
         stats = self.engine.step(lr)
         if self.self_check.due(self.state.step + 1):  # before anything else can touch the weights
@@ -214,7 +216,7 @@ class Trainer:
         if stats.skipped:
             self.report.emit("skipped", f"step {self.state.step}: non-finite loss/gradients; update skipped "
                              f"({self.ctl.health.nonfinite_total} so far)", step=self.state.step)
-        if not verdict.rollback:
+        if not self._agree_on_rollback(verdict.rollback):
             return False
         before = self.state.lr_scale
         latest = self.checkpoints.latest(self.report.say) if self.world.is_main else None
@@ -251,6 +253,8 @@ class Trainer:
         every = self.cfg.control.clear_cache_every
         if every and self.state.step % every == 0:
             self.engine.clear_cache()
+        if not self._meets(self.state.step):
+            return memory
         gathered = self.world.allgather({"samples": self.plan.shares[self.world.rank], "compute_s": compute_s,
                                          "micro": self.ctl.batch.batch, "stop": self.world.stop_requested})
         if any(g["stop"] for g in gathered):
@@ -263,6 +267,26 @@ class Trainer:
             self.plan = plan
             self.feed.restart(self.state.step, self.state.position, self.plan)
         return memory
+
+    def _meets(self, step: int) -> bool:
+        """Whether the ranks exchange their control numbers (stop, plan, rollback) after
+        `step`. In DDP every step: they meet in the all-reduce anyway. In DiLoCo every
+        `control.balance_interval` steps and at the end: between meetings no rank waits
+        for a slower one, and a stop request takes at most that many steps."""
+        return self.outer is None or step % self.cfg.control.balance_interval == 0 or step >= self.cfg.train.steps
+
+    def _agree_on_rollback(self, wanted: bool) -> bool:
+        """Rollbacks restore a checkpoint on every rank at once. In DDP every rank sees the
+        same loss, so the verdicts agree; with DiLoCo's local steps a rank's wish waits
+        for the next meeting, where any rank's wish rolls all of them back."""
+        if self.outer is None:
+            return wanted
+        self._rollback_wanted = self._rollback_wanted or wanted
+        if not self._meets(self.state.step + 1):
+            return False
+        agreed = any(self.world.allgather(self._rollback_wanted))
+        self._rollback_wanted = False
+        return agreed
 
     def check_drift(self) -> bool:
         """Every `dist.sync_weights_every` steps: all-gather weight checksums and self-checks;
@@ -311,7 +335,8 @@ class Trainer:
         rank, plan = self.world.rank, self.plan
         samples = plan.shares[rank]
         tokens = samples * self.cfg.data.seq_len
-        cluster_tok_s = stats.tokens / max(step_s, 1e-9)
+        cluster_tokens = stats.tokens * plan.global_batch / max(samples, 1) if stats.local else stats.tokens
+        cluster_tok_s = cluster_tokens / max(step_s, 1e-9)
         self.report.emit(
             "step", step=self.state.step, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
             tokens_per_s=tokens / max(step_s, 1e-9), cluster_tokens_per_s=cluster_tok_s, step_s=step_s,

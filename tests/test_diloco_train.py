@@ -206,3 +206,16 @@ if __name__ == "__main__":  # the reference's own process (see `reference`)
     anchor, local = _reference(overrides, sizes, fragments, steps, snapshot)
     for i, arrays in enumerate([anchor, *local]):
         np.savez(f"{out}/{i}.npz", **arrays)
+
+
+def test_rollback_waits_for_the_next_meeting_and_is_taken_together(tmp_path):
+    """Local steps mean local health verdicts; ranks roll back together at the next meeting
+    (every control.balance_interval steps), never one without the other."""
+    args = [*COMMON, _nodes([3, 5]), "train.steps=12", "checkpoint.every=3", "control.max_bad_steps=2",
+            "control.balance_interval=5", f"train.out_dir={tmp_path}"]
+    r = run_train(args, np_=2, extra_env={"MLXDIST_INJECT_NAN": "4,5"})
+    assert r.returncode == 0, r.stderr
+    for rank in range(2):
+        rollbacks = _events(tmp_path, "rollback", rank)
+        assert [e["step"] for e in rollbacks] == [9], rollbacks  # wished at step 6, agreed at the step-10 meeting
+        assert [e["step"] for e in _events(tmp_path, "step", rank)][-1] == 12

@@ -27,6 +27,8 @@ class StepStats:
     skipped: bool  # True when loss or gradients were non-finite and no update was made
     sync_seconds: float = 0.0
     sync_bytes: int = 0
+    local: bool = False  # dist.mode=diloco: loss, tokens and norm are this rank's own
+
 
     @property
     def loss(self) -> float:

@@ -108,20 +108,18 @@ class MLXEngine:
     def step(self, lr: float) -> StepStats:
         if self._grads is None:
             raise RuntimeError("step() without micro_step(): no gradients to apply")
-        self.world.rendezvous("waiting for the other ranks to finish computing")
-        if self.local_steps:
+        if self.local_steps:  # this rank alone: no collective, so no rank waits for another
             grads, norm, sync = self._local_gradients()
-            loss_sum, tokens, square_sum = self.world.allreduce_sum([self._loss_sum.item(), self._tokens, norm * norm])
-            # Ranks must agree on skip and rollback decisions: they see the cluster's RMS norm.
-            reported = math.sqrt(square_sum / self.world.size)
+            loss_sum, tokens, reported = self._loss_sum.item(), self._tokens, norm
         else:
+            self.world.rendezvous("waiting for the other ranks to finish computing")
             grads, sync = self.sync.all_sum([self._grads[n] for n in self.names])
             loss_sum, tokens = self.world.allreduce_sum([self._loss_sum.item(), self._tokens])
             grads = [g * (1.0 / max(tokens, 1)) for g in grads]
             norm = reported = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
         self._reset_accumulators()
         stats = StepStats(loss_sum, int(tokens), reported, skipped=False,
-                          sync_seconds=sync.seconds, sync_bytes=sync.bytes)
+                          sync_seconds=sync.seconds, sync_bytes=sync.bytes, local=self.local_steps)
         if not (math.isfinite(loss_sum) and math.isfinite(reported)):
             stats.skipped = True
             return stats
