@@ -118,6 +118,7 @@ class DiLoCo:
         self.residuals: dict[int, np.ndarray] = {}
         self.last: OuterStats | None = None
         self._pending: set[int] = set()
+        self._scratch: dict = {}
 
     @property
     def fragments(self) -> int:
@@ -167,15 +168,21 @@ class DiLoCo:
         idx = self.groups[k]
         if len(local) != len(idx):
             raise ValueError(f"DiLoCo: fragment {k} has {len(idx)} arrays, got {len(local)}")
-        anchor = np.concatenate([self.anchors[i] for i in idx])
-        delta = anchor - np.concatenate([np.asarray(w, np.float32).reshape(-1) for w in local])
+        delta = self._scratch.get(k)  # reused every round: a fresh model-sized array costs page faults
+        if delta is None:
+            delta = self._scratch[k] = np.empty(sum(self.anchors[i].size for i in idx), np.float32)
+        offset = 0
+        for i, w in zip(idx, local, strict=True):
+            n = self.anchors[i].size
+            np.subtract(self.anchors[i], np.asarray(w, np.float32).reshape(-1), out=delta[offset: offset + n])
+            offset += n
         out = Outgoing(k, delta.size, self.samples[k], self.round_steps)
         if self.codec.lossy:
             residual = self.residuals.get(k)
             if residual is None:
                 residual = self.residuals[k] = np.zeros(delta.size, np.float32)
             out.payload = np.concatenate([np.array([out.samples], np.int64).view(np.uint8),
-                                          self.codec.encode(delta, residual)])
+                                          self.codec.encode(delta, residual, consume=True)])
         else:
             out.delta = delta
         self._pending.add(k)
@@ -189,7 +196,7 @@ class DiLoCo:
 
     def exchange(self, out: Outgoing, allreduce_sum: AllReduceSum, allgather: AllGather | None = None) -> Incoming:
         """The collective part: the sample-weighted mean pseudo-gradient over all ranks.
-        Reads no mutable state of this object, so it may run on a background thread
+        Touches only this fragment's buffers, so it may run on a background thread
         (one at a time, in `begin` order, on every rank)."""
         t0 = time.perf_counter()
         if out.delta is not None:
@@ -201,15 +208,26 @@ class DiLoCo:
         else:
             if allgather is None:
                 raise ValueError(f"dist.outer_wire={self.codec.name} needs an all-gather of byte buffers")
-            acc = np.zeros(out.size, np.float32)
+            # Buffers of this fragment, reused every round (its next exchange comes after
+            # this one has landed); the first payload decodes straight into the sum.
+            acc = self._scratch.setdefault(("sum", out.fragment), np.empty(out.size, np.float32))
+            part = self._scratch.setdefault(("part", out.fragment), np.empty(out.size, np.float32))
             total = 0
-            for p in allgather(out.payload):
+            for r, p in enumerate(allgather(out.payload)):
                 s = int(np.asarray(p[:8]).view(np.int64)[0])
-                part = self.codec.decode(np.asarray(p[8:]), out.size)
-                part *= np.float32(s)
-                acc += part
+                if r == 0:
+                    self.codec.decode(np.asarray(p[8:]), out.size, out=acc)
+                    acc *= np.float32(s)
+                else:
+                    self.codec.decode(np.asarray(p[8:]), out.size, out=part)
+                    part *= np.float32(s)
+                    acc += part
                 total += s
-            g = acc / np.float32(total) if total else acc
+            if total:
+                acc /= np.float32(total)
+            else:
+                acc[...] = 0
+            g = acc
             nbytes = out.payload.size
         return Incoming(g, total, nbytes, time.perf_counter() - t0)
 

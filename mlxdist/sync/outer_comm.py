@@ -43,13 +43,18 @@ def allreduce_from_comm(comm) -> AllReduceSum:
 
 
 def allgather_from_comm(comm) -> AllGather:
-    """`comm` is an mpi4py communicator (World.comm), or None for a single process."""
+    """`comm` is an mpi4py communicator (World.comm), or None for a single process. The
+    arrays returned are views of a buffer the next call overwrites."""
+
+    received: dict[int, np.ndarray] = {}  # by payload size: reused, valid until the next call
 
     def allgather(payload: np.ndarray) -> list[np.ndarray]:
         buf = np.ascontiguousarray(payload, np.uint8)
         if comm is None:
             return [buf.copy()]
-        out = np.empty(comm.Get_size() * buf.size, np.uint8)
+        out = received.get(buf.size)
+        if out is None:
+            out = received[buf.size] = np.empty(comm.Get_size() * buf.size, np.uint8)
         comm.Allgather(buf, out)
         return list(out.reshape(comm.Get_size(), buf.size))
 

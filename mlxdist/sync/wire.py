@@ -20,11 +20,12 @@ import numpy as np
 BLOCK = 128
 
 
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """fp32 -> bfloat16 bit patterns (uint16), round to nearest even, as MLX's astype does."""
+def bf16_bits(x: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """fp32 -> bfloat16 bit patterns (uint16), round to nearest even, as MLX's astype does.
+    `scratch`, an fp32 array of x's size, spares a temporary (and its page faults)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    t = u >> 16  # in place from here on, all uint32: 6x faster than one expression
-    t &= 1
+    t = np.right_shift(u, 16, out=None if scratch is None else scratch.view(np.uint32).reshape(u.shape))
+    t &= 1  # in place from here on, all uint32: 6x faster than one expression
     t += 0x7FFF
     t += u
     t >>= 16
@@ -48,11 +49,16 @@ class Codec:
     def nbytes(self, n: int) -> int:
         return 4 * n
 
-    def encode(self, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    def encode(self, x: np.ndarray, residual: np.ndarray | None = None, consume: bool = False) -> np.ndarray:
+        """The payload for x (+ residual, which is updated in place to what the payload
+        drops). With `consume` x may be overwritten: no temporary the size of the model."""
         return np.ascontiguousarray(x, dtype=np.float32).view(np.uint8).copy()
 
-    def decode(self, payload: np.ndarray, n: int) -> np.ndarray:
-        return payload[: 4 * n].view(np.float32).copy()
+    def decode(self, payload: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """n fp32 values, into `out` when given (reused buffers spare page faults)."""
+        dst = np.empty(n, np.float32) if out is None else out
+        dst[...] = payload[: 4 * n].view(np.float32)
+        return dst
 
 
 class BF16Codec(Codec):
@@ -62,15 +68,30 @@ class BF16Codec(Codec):
     def nbytes(self, n: int) -> int:
         return 2 * n
 
-    def encode(self, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
-        y = x if residual is None else x + residual
-        bits = bf16_bits(y)
+    def encode(self, x: np.ndarray, residual: np.ndarray | None = None, consume: bool = False) -> np.ndarray:
+        y = _with_residual(x, residual, consume)
+        bits = bf16_bits(y, scratch=residual)
         if residual is not None:
-            residual[...] = y - bf16_to_f32(bits)
+            back = residual.view(np.uint32)
+            back[...] = bits
+            back <<= 16
+            np.subtract(y, residual, out=residual)
         return bits.view(np.uint8)
 
-    def decode(self, payload: np.ndarray, n: int) -> np.ndarray:
-        return bf16_to_f32(payload[: 2 * n].view(np.uint16))
+    def decode(self, payload: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        dst = np.empty(n, np.float32) if out is None else out
+        bits = dst.view(np.uint32)
+        bits[...] = payload[: 2 * n].view(np.uint16)
+        bits <<= 16
+        return dst
+
+
+def _with_residual(x: np.ndarray, residual: np.ndarray | None, consume: bool) -> np.ndarray:
+    if residual is None:
+        return np.asarray(x, np.float32)
+    if consume:
+        return np.add(x, residual, out=x)
+    return x + residual
 
 
 class BlockQuantCodec(Codec):
@@ -96,31 +117,55 @@ class BlockQuantCodec(Codec):
     def nbytes(self, n: int) -> int:
         return 4 * self._blocks(n) + self._code_bytes(n)
 
-    def quantize(self, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _codes(self, y: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """fp32 scales and the codes as rounded fp32 values, shape (blocks, BLOCK); `out`
+        (fp32, y's size, a whole number of blocks) receives the codes."""
         n = y.size
-        blocks = np.zeros((self._blocks(n), BLOCK), np.float32)
-        blocks.reshape(-1)[:n] = y
-        scale = (np.abs(blocks).max(axis=1) / self.qmax).astype(np.float32)
-        safe = np.where(scale > 0, scale, np.float32(1))
-        q = np.clip(np.rint(blocks / safe[:, None]), -self.qmax, self.qmax).astype(np.int8)
-        return scale, q
+        nb = self._blocks(n)
+        if n == nb * BLOCK:
+            blocks = np.ascontiguousarray(y, np.float32).reshape(nb, BLOCK)
+        else:
+            blocks, out = np.zeros((nb, BLOCK), np.float32), None
+            blocks.reshape(-1)[:n] = y
+        # max/min instead of abs, a reciprocal instead of a divide, no clip (|code| <= qmax
+        # by construction), no temporary: this runs on the whole model every round.
+        scale = (np.maximum(blocks.max(axis=1), -blocks.min(axis=1)) / np.float32(self.qmax)).astype(np.float32)
+        inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+        codes = np.multiply(blocks, inv[:, None], out=None if out is None else out.reshape(nb, BLOCK))
+        np.rint(codes, out=codes)
+        return scale, codes
 
-    def dequantize(self, scale: np.ndarray, q: np.ndarray, n: int) -> np.ndarray:
-        return (q.astype(np.float32) * scale[:, None]).reshape(-1)[:n]
+    def quantize(self, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scale, codes = self._codes(y)
+        return scale, codes.astype(np.int8)
 
-    def encode(self, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
-        y = np.asarray(x, np.float32) if residual is None else x + residual
-        scale, q = self.quantize(y)
-        if residual is not None:
-            residual[...] = y - self.dequantize(scale, q, y.size)
+    def dequantize(self, scale: np.ndarray, q: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        if n != q.size:  # padded last block
+            values = (q.astype(np.float32) * scale[:, None]).reshape(-1)[:n]
+            if out is None:
+                return values
+            out[...] = values
+            return out
+        dst = np.empty(q.shape, np.float32) if out is None else out.reshape(q.shape)
+        dst[...] = q
+        dst *= scale[:, None]
+        return dst.reshape(-1)
+
+    def encode(self, x: np.ndarray, residual: np.ndarray | None = None, consume: bool = False) -> np.ndarray:
+        y = _with_residual(x, residual, consume)
+        scale, codes = self._codes(y, out=residual)
+        q = codes.astype(np.int8)
+        if residual is not None:  # what this round's message drops goes into the next one
+            codes *= scale[:, None]
+            np.subtract(y, codes.reshape(-1)[: y.size], out=residual)  # codes may live in residual
         if self.bits == 8:
-            codes = q.view(np.uint8).reshape(-1)
+            packed = q.view(np.uint8).reshape(-1)
         else:
             u = (q.reshape(-1) + 8).astype(np.uint8)
-            codes = u[0::2] | (u[1::2] << 4)
-        return np.concatenate([scale.view(np.uint8), codes])
+            packed = u[0::2] | (u[1::2] << 4)
+        return np.concatenate([scale.view(np.uint8), packed])
 
-    def decode(self, payload: np.ndarray, n: int) -> np.ndarray:
+    def decode(self, payload: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
         nb = self._blocks(n)
         scale = payload[: 4 * nb].view(np.float32)
         codes = payload[4 * nb: 4 * nb + self._code_bytes(n)]
@@ -130,7 +175,7 @@ class BlockQuantCodec(Codec):
             q = np.empty(codes.size * 2, np.int8)
             q[0::2] = (codes & 0x0F).astype(np.int8) - 8
             q[1::2] = (codes >> 4).astype(np.int8) - 8
-        return self.dequantize(scale, q.reshape(nb, BLOCK), n)
+        return self.dequantize(scale, q.reshape(nb, BLOCK), n, out)
 
     def step_bound(self, y: np.ndarray) -> np.ndarray:
         """Per element, half the rounding step of its block: the most one encode can drop."""
