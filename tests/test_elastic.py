@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, env
+from helpers import ROOT, env, namespace_cluster
 
 from mlxdist import checkpoint as ckpt
 from mlxdist import markers
@@ -197,24 +197,7 @@ TRAIN = ["data.source=synthetic", "data.seq_len=16", "model.preset=tiny", "model
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    import os
-
-    from mlxdist.rig import simcluster
-    from mlxdist.rig.simcluster import SimCluster
-
-    ok, why = simcluster.available()
-    if not ok:
-        pytest.skip(why)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), old) if p)
-    try:
-        with SimCluster(3, name="mlxel", subnet="10.83.15", state_dir=tmp_path_factory.mktemp("mlxel")) as c:
-            yield c
-    finally:
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    yield from namespace_cluster(tmp_path_factory, 3, "mlxel", "10.83.15")
 
 
 @pytest.fixture

@@ -24,15 +24,13 @@ Two ways to slow a host (`--mode`):
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .runs import cluster_run, set_env, solo_rates, steady_rate
+from .runs import cluster_run, finish, set_env, solo_rates, steady_rate
 
 # Compute must dominate the gradient all-reduce, or no split can reach the ideal.
 BASE = ["data.source=synthetic", "data.seq_len=128", "model.preset=tiny", "metrics.port=0",
@@ -143,12 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                    "final_shares": final, "proportional": want,
                    "changes": [{"step": e["step"], "old": e["old"], "new": e["new"]} for e in changes],
                    "sync_fraction": sync}
-    result["seconds"] = time.perf_counter() - t_start
-    result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"bench balance: {result['seconds']:.0f} s in all; load average {result.get('load_avg')}")
-    return 0
+    return finish("balance", result, t_start, args.json)
 
 
 if __name__ == "__main__":

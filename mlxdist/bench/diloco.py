@@ -16,15 +16,13 @@ DDP spends most of each step in the all-reduce: that is the case DiLoCo exists f
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .runs import cluster_run, set_env, solo_rates, steady_rate
+from .runs import cluster_run, finish, set_env, solo_rates, steady_rate
 
 BASE = ["metrics.port=0", "train.progress=false", "checkpoint.every=0", "dist.sync_weights_every=0",
         "train.warmup_steps=2", "train.log_every=1000"]
@@ -126,12 +124,7 @@ def main(argv: list[str] | None = None) -> int:
           f"of {q['outer_sync_bytes'] / 1e6:.0f} MB every {h} steps |")
     print(f"DiLoCo: {dlc_rate / ddp_rate:.2f}x DDP's throughput (target >= 0.9 of bound); eval loss within "
           f"{abs(dlc_loss / ddp_loss - 1):.1%} of DDP's (target 3%)")
-    result["seconds"] = time.perf_counter() - t_start
-    result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"bench diloco: {result['seconds']:.0f} s in all; load average {result['load_avg']}")
-    return 0
+    return finish("diloco", result, t_start, args.json)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ..world import find_mpirun
@@ -75,3 +76,14 @@ def cluster_run(cluster, args: list[str], run_dir: Path, timeout: float) -> list
            sys.executable, "-m", "mlxdist.train", *args, f"train.out_dir={run_dir}"]
     check(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO), f"{n}-rank run ({run_dir.name})")
     return read_events(run_dir)
+
+
+def finish(name: str, result: dict, t_start: float, json_path: str | None) -> int:
+    """Stamp the run's duration and the machine's load (these numbers are only as good as
+    the box was quiet), write the JSON if asked, print the last line."""
+    result["seconds"] = time.perf_counter() - t_start
+    result["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"bench {name}: {result['seconds']:.0f} s in all; load average {result['load_avg']}")
+    return 0
