@@ -179,24 +179,29 @@ def drive(r, s, batch_size, allreduce_sum, allgather, *, rounds=None, max_steps=
                     s.dl.set_period(periods[s.rounds][r])
 
 
-def run_ranks(states, batches, cluster, **kw):
-    """Drive each simulated rank in its own thread until `rounds` rounds or `max_steps` steps."""
+def on_threads(n, cluster, body):
+    """body(r) on one thread per simulated rank; the first error ends every rank and is raised."""
     errors = []
 
-    def body(r):
+    def guarded(r):
         try:
-            drive(r, states[r], batches[r], partial(cluster.allreduce_sum, r), partial(cluster.allgather, r), **kw)
+            body(r)
         except BaseException as e:  # noqa: BLE001 (re-raised below, after the other ranks stop)
             errors.append(e)
             cluster.barrier.abort()
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(states))]
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     if errors:
         raise errors[0]
+
+
+def run_ranks(states, batches, cluster, **kw):
+    on_threads(len(states), cluster, lambda r: drive(r, states[r], batches[r], partial(cluster.allreduce_sum, r),
+                                                     partial(cluster.allgather, r), **kw))
 
 
 def simulate(batches, fragments, rounds, periods, wire="float32", **kw):
@@ -574,14 +579,12 @@ def reference_overlapped(batches, period, fragments, steps, delay, alpha):
 def run_overlapped(batches, period, fragments, steps, delay, alpha, wire="float32"):
     cluster = Cluster(len(batches))
     states = [RankState(make_dl(wire, fragments, period)) for _ in batches]
-    errors = []
 
     def body(r):
         s = states[r]
-        ov = None
+        ov = OverlappedSync(s.dl, partial(cluster.allreduce_sum, r), partial(cluster.allgather, r),
+                            delay=delay, alpha=alpha)
         try:
-            ov = OverlappedSync(s.dl, partial(cluster.allreduce_sum, r), partial(cluster.allgather, r),
-                                delay=delay, alpha=alpha)
             while s.t < steps:
                 s.local = inner_step(r, s.t, batches[r], s.local, s.adam)
                 s.t += 1
@@ -591,20 +594,10 @@ def run_overlapped(batches, period, fragments, steps, delay, alpha, wire="float3
                 for k, new, _ in ov.ready(lambda idx: [s.local[i] for i in idx]):
                     for i, w in zip(s.dl.fragment_params(k), new, strict=True):
                         s.local[i] = w
-        except BaseException as e:  # noqa: BLE001 (re-raised below)
-            errors.append(e)
-            cluster.barrier.abort()
         finally:
-            if ov is not None:
-                ov.close()
+            ov.close()
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(batches))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    on_threads(len(batches), cluster, body)
     return states
 
 
