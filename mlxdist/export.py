@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return _export_adapter(args)
     if not args.run_dir:
         p.error("give a RUN_DIR, or --base and --adapter")
-    from . import checkpoint as ckpt
+    from .state import checkpoint as ckpt
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:

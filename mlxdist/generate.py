@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import checkpoint as ckpt
 from .config import Config, ConfigError
+from .state import checkpoint as ckpt
 
 
 def _is_model_path(p: Path) -> bool:

@@ -15,26 +15,26 @@ import time
 import traceback
 from pathlib import Path
 
-from . import checkpoint as ckpt
-from .checkpointer import Checkpointer
 from .config import Config, ConfigError, load_config
 from .control import BatchSizeError, StepPlan, micro_batches, replan
-from .controllers import Controllers
+from .control.controllers import Controllers
 from .data import GlobalSampler, build_datasets
 from .data.batch import BatchMaker, TokenBatch
 from .data.feed import StepFeed
-from .drift import SelfCheck, drift_verdict
+from .dist.drift import SelfCheck, drift_verdict
+from .dist.world import World, resolve_backend
 from .engine import ENGINES, make_engine, make_world, prepare_process
 from .engine.base import Engine, StepStats
-from .evaluation import Evaluator
-from .events import EventLog, Progress
-from .faults import Faults
+from .engine.memory import MemoryReading
 from .markers import announce_complete
-from .memory import MemoryReading
-from .metrics import Metrics
 from .models.build import inspect_base
-from .reporting import Log, Reporter
-from .world import World, resolve_backend
+from .state import checkpoint as ckpt
+from .state.checkpointer import Checkpointer
+from .telemetry.events import EventLog, Progress
+from .telemetry.metrics import Metrics
+from .telemetry.reporter import Log, Reporter
+from .training.evaluation import Evaluator
+from .training.faults import Faults
 
 # Nothing above imports MLX: `main` may still re-exec the process with OpenBLAS preloaded.
 
@@ -443,7 +443,7 @@ class Trainer:
     def _outer_sync(self):
         if self.cfg.dist.mode != "diloco":
             return None
-        from .sync.outer_loop import OuterSync, describe
+        from .sync.diloco_strategy import OuterSync, describe
 
         if self.world.is_main:
             self.report.say(describe(self.cfg.dist))
@@ -462,7 +462,7 @@ class Trainer:
     def _save_outer(self, opt_step: int, opt: dict) -> dict:
         """Every rank writes its own state (local weights, moments, round); rank 0's
         checkpoint gets the shared outer state, and the anchors as the model's weights."""
-        from .rank_state import RankStateInfo
+        from .state.rank_state import RankStateInfo
 
         for s in self.outer.drain(self.engine):
             self._report_outer(s)
@@ -475,7 +475,7 @@ class Trainer:
     def _restore_outer(self, loaded: ckpt.Loaded | None, meta: ckpt.CheckpointMeta) -> None:
         """Exact when every rank finds its own file of that step from this same cluster;
         otherwise (fewer hosts, a file lost with its host) from the shared state alone."""
-        from . import rank_state
+        from .state import rank_state
 
         w = self.world
         shared = w.bcast({k: v for k, v in loaded.optimizer.items() if k.startswith("outer.")} if w.is_main else None)

@@ -28,7 +28,7 @@ def env() -> dict:
 
 
 def mpirun_path() -> str:
-    from mlxdist.world import find_mpirun
+    from mlxdist.dist.world import find_mpirun
 
     try:
         return find_mpirun()
@@ -76,7 +76,7 @@ def run_train(args: list[str], np_: int = 0, timeout: float = 300, cwd: Path | N
 
 
 def final_weights(run_dir: Path) -> dict[str, np.ndarray]:
-    from mlxdist import checkpoint as ckpt
+    from mlxdist.state import checkpoint as ckpt
 
     loaded = ckpt.load_latest(run_dir / "checkpoints")
     assert loaded is not None, f"no checkpoint in {run_dir}"

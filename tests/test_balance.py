@@ -92,7 +92,7 @@ def test_shares_always_sum_to_global_batch_localhost(tmp_path: Path) -> None:
 
 
 def test_compute_scale_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxdist.faults import COMPUTE_SCALE_VAR, Faults, compute_scale_from_env
+    from mlxdist.training.faults import COMPUTE_SCALE_VAR, Faults, compute_scale_from_env
 
     monkeypatch.delenv(COMPUTE_SCALE_VAR, raising=False)
     assert compute_scale_from_env() == 1.0 and Faults.from_env().compute_scale == 1.0
@@ -107,7 +107,7 @@ def test_compute_scale_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_stretch_compute_sleeps_the_missing_time() -> None:
     import time
 
-    from mlxdist.faults import Faults
+    from mlxdist.training.faults import Faults
 
     assert Faults().stretch_compute(0.5) == 0.0  # no rig scale: no sleep at all
     t0 = time.perf_counter()

@@ -48,10 +48,10 @@ RING = textwrap.dedent("""
     import sys
     import mlx.core as mx
     import numpy as np
-    from mlxdist.collective import Mpi4pyCollective, ring_allreduce
+    from mlxdist.dist.collective import Mpi4pyCollective, ring_allreduce
     from mlxdist.engine.common import checksum
     from mlxdist.sync.grad import GradSync
-    from mlxdist.world import init_world
+    from mlxdist.dist.world import init_world
 
     world = init_world("mpi4py")
     r, n = world.rank, world.size

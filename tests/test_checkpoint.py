@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from mlxdist import checkpoint as ckpt
+from mlxdist.state import checkpoint as ckpt
 
 
 def _weights(seed):

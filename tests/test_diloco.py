@@ -14,7 +14,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from mlxdist.checkpoint import from_safetensors, to_safetensors
+from mlxdist.state.checkpoint import from_safetensors, to_safetensors
 from mlxdist.sync.diloco import DiLoCo, OuterOptimizer
 from mlxdist.sync.fragments import partition, plan_inner_steps
 from mlxdist.sync.overlap import OverlappedSync
@@ -461,10 +461,10 @@ def test_bad_settings_name_the_key():
 MPI_SCRIPT = """
 import json, sys
 import numpy as np
-from mlxdist.collective import make_collective
-from mlxdist.sync.outer_comm import allgather_from_comm, allreduce_from_collective, allreduce_from_comm
+from mlxdist.dist.collective import make_collective
+from mlxdist.sync.comm import allgather_from_comm, allreduce_from_collective, allreduce_from_comm
 from mlxdist.sync.overlap import OverlappedSync
-from mlxdist.world import init_world
+from mlxdist.dist.world import init_world
 from tests.test_diloco import RankState, drive, inner_step, make_dl
 
 wire, fragments, period, rounds, batches, delay, out = json.loads(sys.argv[1])

@@ -90,7 +90,7 @@ def _reference(overrides: list[str], sizes: list[int], fragments: int, steps: in
 
 
 def _rank_weights(run_dir, step: int, rank: int) -> dict[str, np.ndarray]:
-    from mlxdist import rank_state
+    from mlxdist.state import rank_state
 
     hosts = json.loads((run_dir / "checkpoints" / f"step_{step:08d}" / "state.json").read_text())["hosts"]
     arrays, _ = rank_state.load(run_dir / "rank_state", step, rank, len(hosts), hosts)

@@ -20,11 +20,9 @@ import numpy as np
 import pytest
 from helpers import ROOT, env, namespace_cluster
 
-from mlxdist import checkpoint as ckpt
 from mlxdist import markers
-from mlxdist.checkpointer import Checkpointer, all_copies, newest_whole
 from mlxdist.config import CheckpointConfig
-from mlxdist.elastic import (
+from mlxdist.launch.elastic import (
     Copy,
     ElasticSettings,
     GiveUp,
@@ -38,8 +36,10 @@ from mlxdist.elastic import (
     restart_line,
     worth_restarting,
 )
+from mlxdist.launch.supervisor import Supervisor
 from mlxdist.markers import Exit
-from mlxdist.supervisor import Supervisor
+from mlxdist.state import checkpoint as ckpt
+from mlxdist.state.checkpointer import Checkpointer, all_copies, newest_whole
 
 # ----- the policy ------------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ def test_rejoin_waits_for_the_next_checkpoint():
 def test_restart_counts_reach_the_metrics(monkeypatch):
     from prometheus_client import generate_latest
 
-    from mlxdist.metrics import Metrics
+    from mlxdist.telemetry.metrics import Metrics
 
     assert RestartCounts.from_env({"MLXDIST_RESTARTS": "2", "MLXDIST_LOST_STEPS": "x"}) == RestartCounts(2, 0)
     monkeypatch.setenv("MLXDIST_RESTARTS", "2")
@@ -137,7 +137,7 @@ def test_resume_and_probe_find_the_newest_whole_copy_on_this_host(tmp_path):
     assert [p.parent.name + "/" + p.name for p in all_copies(tmp_path)] == [
         "b/step_00000006", "checkpoints/step_00000003", "b/step_00000003"]
     (newest / "model.safetensors.zst").write_bytes(b"rot")  # this host's newest copy rotted
-    r = subprocess.run([sys.executable, "-m", "mlxdist.checkpointer", "probe", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "mlxdist.state.checkpointer", "probe", str(tmp_path)],
                        capture_output=True, text=True, env=env(), timeout=60)
     assert r.returncode == 0, r.stderr
     answer = json.loads(r.stdout)

@@ -10,8 +10,15 @@ import sys
 
 import pytest
 
-from mlxdist import jaccl
-from mlxdist.jaccl import RankFacts, check, device_matrix, jaccl_env, missing, read_mlx_hostfile
+from mlxdist.dist import jaccl
+from mlxdist.dist.jaccl import (
+    RankFacts,
+    check,
+    device_matrix,
+    jaccl_env,
+    missing,
+    read_mlx_hostfile,
+)
 from tests.helpers import env, mpirun_path
 
 # What `mlx.distributed_config --backend jaccl` writes for three Macs cabled in a mesh
@@ -143,8 +150,8 @@ def test_this_machine_reports_what_is_missing():
 
 
 SCRIPT = """
-from mlxdist.world import init_world
-from mlxdist import jaccl
+from mlxdist.dist.world import init_world
+from mlxdist.dist import jaccl
 w = init_world()
 try:
     jaccl.bootstrap(w, "127.0.0.1")

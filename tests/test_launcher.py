@@ -5,19 +5,19 @@ import time
 import pytest
 from helpers import ROOT, env
 
-from mlxdist.launcher import read_hostfile
+from mlxdist.dist.world import MPI_LIBNAME
+from mlxdist.launch.launcher import read_hostfile
+from mlxdist.launch.mpirun import mpirun_command
+from mlxdist.launch.supervisor import supervise
 from mlxdist.markers import (
     Exit,
     abort_line,
     complete_line,
-        parse_abort,
+    parse_abort,
     parse_complete,
     parse_ready,
     ready_line,
 )
-from mlxdist.mpirun import mpirun_command
-from mlxdist.supervisor import supervise
-from mlxdist.world import MPI_LIBNAME
 
 
 def _mlxrun(*args):
@@ -126,7 +126,7 @@ def test_mlxrun_rehearses_on_a_simulated_cluster(tmp_path):
 
 
 def test_cleanup_kills_the_jobs_leftovers_and_nothing_else():
-    from mlxdist.supervisor import Remote, cleanup_script, leftover_pattern
+    from mlxdist.launch.supervisor import Remote, cleanup_script, leftover_pattern
 
     sleeper = [sys.executable, "-X", "mlxdist_job={}", "-c", "import time; time.sleep(60)"]
     mine, other = (subprocess.Popen([a.format(t) for a in sleeper]) for t in ("c0ffee01", "c0ffee02"))

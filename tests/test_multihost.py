@@ -46,7 +46,7 @@ def _cmd(c: SimCluster, *args: str, config: Path | None = None) -> list[str]:
 
 
 def _final_weights(out: Path) -> dict[str, np.ndarray]:
-    from mlxdist import checkpoint
+    from mlxdist.state import checkpoint
 
     last = sorted((out / "checkpoints").glob("step_*"))[-1]
     return checkpoint.load(last).weights
@@ -309,7 +309,7 @@ def test_ctrl_c_while_ranks_start_is_held_until_they_can_save(cluster3: SimClust
 
 
 def test_sigusr1_to_plain_mpirun_saves_at_one_step(cluster3: SimCluster, tmp_path: Path) -> None:
-    from mlxdist.mpirun import mpirun_command
+    from mlxdist.launch.mpirun import mpirun_command
 
     cmd = mpirun_command([sys.executable, "-m", "mlxdist.train", *_train_args(tmp_path)],
                          **cluster3.mpirun_options(), np=3, mpirun=mpirun_path())

@@ -243,7 +243,7 @@ def test_export_round_trip_tiny(tiny, tmp_path, model_type):
 
 
 def test_export_cli(tiny, tmp_path):
-    from mlxdist import checkpoint as ckpt
+    from mlxdist.state import checkpoint as ckpt
 
     d, _ = tiny["qwen2"]
     model, _ = P.load_mlx(d)

@@ -135,7 +135,7 @@ def test_rules_ask_only_for_exported_metrics() -> None:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from mlxdist.metrics import Metrics
+    from mlxdist.telemetry.metrics import Metrics
 
     text = generate_latest(Metrics(0, "studio").registry).decode()
     exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -145,7 +145,7 @@ def test_rules_ask_only_for_exported_metrics() -> None:
 
 
 def test_last_step_timestamp_moves_with_steps() -> None:
-    from mlxdist.metrics import Metrics
+    from mlxdist.telemetry.metrics import Metrics
 
     m = Metrics(1, "macbook")
 

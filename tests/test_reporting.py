@@ -6,9 +6,9 @@ import json
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxdist.events import EventLog, Progress
-from mlxdist.metrics import Metrics
-from mlxdist.reporting import Log, Reporter
+from mlxdist.telemetry.events import EventLog, Progress
+from mlxdist.telemetry.metrics import Metrics
+from mlxdist.telemetry.reporter import Log, Reporter
 
 
 def _reporter(tmp_path, rank=0):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import FAST, env, logged_steps, train_command
 
-from mlxdist.heartbeat import Heartbeat
-from mlxdist.stall import stall_culprits
+from mlxdist.dist.heartbeat import Heartbeat
+from mlxdist.dist.stall import stall_culprits
 
 HOSTS = ["studio", "mac-a", "mac-b"]
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..world import launched_by_mpirun
+from ..dist.world import launched_by_mpirun
 
 TRANSPORTS = ("raw-mpi4py", "mpi4py", "mlx-mpi", "mlx-ring")
 # Which launch measures which transport: the pure-mpi4py ones share a process.
@@ -110,9 +110,9 @@ def _worker(args: argparse.Namespace) -> int:
     import mlx.core as mx
     import numpy as np
 
-    from ..collective import make_collective
+    from ..dist.collective import make_collective
+    from ..dist.world import init_world
     from ..sync.grad import GradSync
-    from ..world import init_world
 
     family = args._worker
     world = init_world(family)
@@ -194,8 +194,8 @@ def _forwarded(argv: list[str]) -> list[str]:
 
 
 def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> dict:
-    from ..mpirun import mpirun_command
-    from ..world import MPI_LIBNAME
+    from ..dist.world import MPI_LIBNAME
+    from ..launch.mpirun import mpirun_command
 
     wanted = [t.strip() for t in args.transports.split(",") if t.strip()]
     unknown = set(wanted) - set(TRANSPORTS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from ..config import Config
-from ..world import World, init_world, launched_by_mpirun, resolve_backend
+from ..dist.world import World, init_world, launched_by_mpirun, resolve_backend
 from .base import Engine, StepStats
 
 ENGINES = ("mlx", "torch")
@@ -40,7 +40,7 @@ def make_engine(name: str, cfg: Config, world: World | None = None, device: str 
     each import is lazy so neither framework is required."""
     world = world or World()
     if name == "mlx":
-        from ..collective import make_collective
+        from ..dist.collective import make_collective
         from ..models.build import build_mlx
         from .mlx_engine import MLXEngine
 

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from ..data.batch import TokenBatch
-from ..memory import MemoryReading
+from .memory import MemoryReading
 
 
 @dataclass

@@ -17,15 +17,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from ..collective import Collective
 from ..config import Config
 from ..data.batch import TokenBatch
-from ..memory import MemoryReading, with_override
+from ..dist.collective import Collective
+from ..dist.world import World
 from ..models.build import BuiltModel
 from ..sync.grad import GradSync, SyncStats
-from ..world import World
 from .base import StepStats
 from .common import as_batch, check_weights, checksum, decays, sample_tokens
+from .memory import MemoryReading, with_override
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 
 from ..config import Config
 from ..data.batch import TokenBatch
-from ..memory import MemoryReading, process_reading, with_override
 from ..models.build import build_torch
 from ..models.presets import ModelArgs
 from .base import StepStats
 from .common import as_batch, check_weights, checksum, decays, sample_tokens
+from .memory import MemoryReading, process_reading, with_override
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -37,7 +37,7 @@ CGROUP_V2_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "mlxdist-simcluster"
 ETC_NETNS = Path("/etc/netns")
 CFS_PERIOD_US = 100_000
-# Read by mlxdist.faults in every process started on a host slowed with `--compute`.
+# Read by mlxdist.training.faults in every process started on a host slowed with `--compute`.
 COMPUTE_SCALE_VAR = "MLXDIST_RIG_COMPUTE_SCALE"
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,30}$")
@@ -564,12 +564,12 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         """Flags that make the venv's `mpirun` (running in the root namespace, at the
         bridge address) launch onto these hosts and keep all traffic on them; callers
         append `-np N program`. `env` names extra variables to forward to the ranks."""
-        from ..mpirun import mpirun_command
+        from ..launch.mpirun import mpirun_command
 
         return mpirun_command([], **self.mpirun_options(), env=env, mpirun="mpirun")[1:]
 
     def mpirun_options(self, hosts: Sequence[str | int] | None = None) -> dict[str, Any]:
-        """Keyword arguments for `mlxdist.mpirun.mpirun_command` that launch onto these
+        """Keyword arguments for `mlxdist.launch.mpirun.mpirun_command` that launch onto these
         hosts, or onto the subset `hosts` (names, IPs or indices), e.g. to rehearse a
         resume on the machines that are left."""
         return {"hostfile": self.subset_hostfile(hosts) if hosts else self.hostfile,

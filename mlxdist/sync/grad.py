@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..collective import Collective
+from ..dist.collective import Collective
 
 _WIRE = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 

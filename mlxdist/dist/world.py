@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import markers
+from .. import markers
 
 MPI_LIBNAME = "libmpi.so.40"
 ABORT_GRACE_S = 5.0

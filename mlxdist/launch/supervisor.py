@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from . import markers
-from .markers import Exit
+from .. import markers
+from ..markers import Exit
 
 # Open MPI's words for a host that went away. Only a hint for the exit code: whether the
 # run succeeded is decided by the completion record, never by this wording.

@@ -7,7 +7,7 @@ component the loop talks to. Rank 0 writes `RUN_DIR/checkpoints/`. With
 own disks the run then survives losing any one of them, rank 0's included, and on a shared disk
 the copies cannot collide. Reading is rank 0's job; the loop hands what it read to the others.
 
-`python -m mlxdist.checkpointer probe RUN_DIR` prints, as one JSON line, the newest copy that
+`python -m mlxdist.state.checkpointer probe RUN_DIR` prints, as one JSON line, the newest copy that
 verifies on this host: the elastic supervisor asks every host this before a restart.
 """
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import CheckpointConfig
 from . import checkpoint as ckpt
-from .config import CheckpointConfig
 
 REPLICAS = "replicas"
 
@@ -111,7 +111,7 @@ def probe(run_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "probe":
-        print("usage: python -m mlxdist.checkpointer probe RUN_DIR", file=sys.stderr)
+        print("usage: python -m mlxdist.state.checkpointer probe RUN_DIR", file=sys.stderr)
         return 2
     print(json.dumps(probe(Path(args[1]))), flush=True)
     return 0

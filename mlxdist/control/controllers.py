@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Config
-from .control import (
+from ..config import Config
+from . import (
     AccumulationController,
     BatchSizeController,
     EarlyStopping,
@@ -17,7 +17,7 @@ from .control import (
     LRSchedule,
     ReduceOnPlateau,
 )
-from .control.plan import StepPlan
+from .plan import StepPlan
 
 
 @dataclass

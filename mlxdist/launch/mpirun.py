@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .world import MPI_LIBNAME, find_mpirun
+from ..dist.world import MPI_LIBNAME, find_mpirun
 
 # Forwarded to the ranks when set here: they find the venv's python, the MPI library, this
 # checkout and the preloaded BLAS through them. `-x NAME` of an unset name is noise.

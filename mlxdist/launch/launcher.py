@@ -21,8 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .jaccl import is_mlx_hostfile, read_mlx_hostfile, to_openmpi_hostfile
-from .markers import SUPERVISED_ENV, Exit
+from ..dist.jaccl import is_mlx_hostfile, read_mlx_hostfile, to_openmpi_hostfile
+from ..markers import SUPERVISED_ENV, Exit
 from .mpirun import mpirun_command
 from .supervisor import Remote, supervise
 
@@ -127,7 +127,7 @@ class Launch:
 
 
 def _mpirun_beside(python: str) -> str:
-    from .world import find_mpirun
+    from ..dist.world import find_mpirun
 
     return find_mpirun(python)
 
@@ -141,7 +141,7 @@ def plan_hostfile(path: str, ssh_agent: str | None, iface: str | None) -> Launch
     hosts = read_hostfile(hostfile)
     launch = Launch(hostfile, hosts, Path(ssh_agent) if ssh_agent else None, iface, notes, exports)
     if ssh_agent is None and (hostfile.parent / "state.json").is_file() and (hostfile.parent / "ssh-agent").is_file():
-        from .rig.simcluster import SimCluster
+        from ..rig.simcluster import SimCluster
 
         cluster = SimCluster.load(hostfile.parent)
         launch.ssh_agent, launch.network = cluster.ssh_agent, iface or cluster.cidr
@@ -168,7 +168,7 @@ def _from_mlx_hostfile(path: Path) -> tuple[Path, list[str], list[str]]:
 
 def plan_simcluster(name: str, select: str | None, iface: str | None) -> Launch:
     """A namespace cluster by name or state directory, optionally some of its hosts."""
-    from .rig.simcluster import find_cluster
+    from ..rig.simcluster import find_cluster
 
     try:
         cluster = find_cluster(name)
@@ -254,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
 def _elastic_run(args: argparse.Namespace, launch: Launch, train_args: list[str]):
     """The elastic loop for this launch; the run's config is read here (as the ranks will read
     it) for where its checkpoints live, so a bad key fails before any host is touched."""
-    from .config import ConfigError, load_config
+    from ..config import ConfigError, load_config
+    from ..train import parse_args
     from .elastic import ElasticSettings
-    from .elastic_launch import ElasticRun, ProbeTarget
-    from .train import parse_args
+    from .elastic_run import ElasticRun, ProbeTarget
 
     if args.min_hosts > len(launch.hosts):
         raise LaunchError(f"--min-hosts {args.min_hosts}: the job has only {len(launch.hosts)} host(s)")

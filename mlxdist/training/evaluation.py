@@ -3,12 +3,12 @@ before and after a re-split, an OOM shrink or a resume stay comparable."""
 
 from __future__ import annotations
 
-from .config import TrainConfig
-from .control.split import micro_batches
-from .data.batch import TokenBatch
-from .data.datasets import Dataset
-from .engine.base import Engine
-from .world import World
+from ..config import TrainConfig
+from ..control.split import micro_batches
+from ..data.batch import TokenBatch
+from ..data.datasets import Dataset
+from ..dist.world import World
+from ..engine.base import Engine
 
 
 class Evaluator:

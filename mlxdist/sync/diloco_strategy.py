@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import rank_state
 from ..config import DistConfig
+from ..state import rank_state
+from .comm import allgather_from_comm, allreduce_from_comm
 from .diloco import DiLoCo, OuterStats
-from .outer_comm import allgather_from_comm, allreduce_from_comm
 from .overlap import OverlappedSync
 
 _OUTER = "outer."  # prefix of the shared outer state inside the checkpoint's optimizer file

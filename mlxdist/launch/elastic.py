@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .markers import Exit
+from ..markers import Exit
 
 # Passed to every rank of a restarted job, so the counts survive in its metrics.
 RESTARTS_ENV = "MLXDIST_RESTARTS"

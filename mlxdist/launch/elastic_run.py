@@ -3,7 +3,7 @@
 Each job runs under the ordinary `supervisor.Supervisor` (which ends a failed job within
 seconds and cleans up). When one fails, every host is asked, through the same ssh path mpirun
 uses, whether it answers and which checkpoint verifies on it
-(`python -m mlxdist.checkpointer probe`); `elastic.plan_restart` decides the next job, whose
+(`python -m mlxdist.state.checkpointer probe`); `elastic.plan_restart` decides the next job, whose
 rank 0 is the host holding the newest whole copy (`--resume auto` there finds it) and whose
 global batch is the checkpoint's. With `--rejoin`, dropped hosts are polled while the job runs;
 one that answers again is taken back at the next checkpoint (the job stops there, saving,
@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..markers import Exit
 from .elastic import (
     Copy,
     ElasticSettings,
@@ -38,7 +39,6 @@ from .elastic import (
     worth_restarting,
 )
 from .launcher import LOCAL_NAMES, Launch, check_host
-from .markers import Exit
 from .supervisor import Remote, Supervisor
 
 PROBE_TIMEOUT_S = 60.0  # hashing a big checkpoint takes a while
@@ -84,7 +84,7 @@ class ProbeTarget:
     def script(self) -> str:
         path = os.environ.get("PYTHONPATH")
         env = f"PYTHONPATH={shlex.quote(path)} " if path else ""
-        return (f"cd {shlex.quote(self.cwd)} && {env}{shlex.quote(self.python)} -m mlxdist.checkpointer "
+        return (f"cd {shlex.quote(self.cwd)} && {env}{shlex.quote(self.python)} -m mlxdist.state.checkpointer "
                 f"probe {shlex.quote(self.run_dir)}")
 
 

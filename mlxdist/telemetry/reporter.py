@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import markers
+from .. import markers
 from .events import EventLog, Progress
 from .metrics import Metrics
 

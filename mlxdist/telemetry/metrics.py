@@ -11,8 +11,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
-from . import __version__
-from .elastic import RestartCounts
+from .. import __version__
+from ..launch.elastic import RestartCounts
 
 # Event kind -> counter attribute, and -> (controller, default action) of a decision.
 _COUNTERS = {"skipped": "nonfinite", "rollback": "rollbacks", "drift_repair": "drift_repairs"}
