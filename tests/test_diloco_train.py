@@ -46,6 +46,7 @@ def _reference(overrides: list[str], sizes: list[int], fragments: int, steps: in
     from mlxdist.control import StepPlan
     from mlxdist.data import GlobalSampler, build_datasets
     from mlxdist.data.batch import BatchMaker
+    from mlxdist.engine.base import local_step
     from mlxdist.engine.mlx_engine import MLXEngine
     from mlxdist.models.build import build_mlx
     from mlxdist.sync.fragments import partition
@@ -65,7 +66,7 @@ def _reference(overrides: list[str], sizes: list[int], fragments: int, steps: in
         for r, engine in enumerate(workers):
             for batch in makers[r](position, plan):
                 engine.micro_step(batch)
-            engine.step(cfg.train.lr)
+            local_step(engine, cfg.train.lr)
             since[r] = [s + plan.shares[r] for s in since[r]]
         position += plan.global_batch
         into_round = (t - 1) % H + 1

@@ -33,6 +33,11 @@ class TokenBatch:
         return int(self.mask.sum()) if self.mask is not None else int(t.shape[0] * (t.shape[1] - 1))
 
     @classmethod
+    def of(cls, batch: TokenBatch | np.ndarray) -> TokenBatch:
+        """Datasets may hand back bare token arrays; everything past them sees a TokenBatch."""
+        return batch if isinstance(batch, TokenBatch) else cls(np.asarray(batch, np.int32))
+
+    @classmethod
     def concat(cls, batches: list[TokenBatch]) -> TokenBatch:
         masks = [b.mask for b in batches]
         mask = None if all(m is None for m in masks) else np.concatenate(
@@ -60,7 +65,6 @@ class BatchMaker:
         mine = self.sampler.indices(position + begin, end - begin)
         out, offset = [], 0
         for n in micro_batches(len(mine), plan.micro[self.rank]):
-            got = self.dataset.batch(mine[offset : offset + n])
-            out.append(got if isinstance(got, TokenBatch) else TokenBatch(got))
+            out.append(TokenBatch.of(self.dataset.batch(mine[offset : offset + n])))
             offset += n
         return out

@@ -47,6 +47,15 @@ def launched_by_mpirun() -> bool:
     return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMIX_RANK" in os.environ
 
 
+def launcher_world_size() -> int:
+    """Ranks announced by an MPI or torchrun launcher, before MPI is touched; 1 when started by hand."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
 @dataclass
 class World:
     rank: int = 0
@@ -93,6 +102,21 @@ class World:
         with self.watch("stats all-reduce"):
             self.comm.Allreduce(buf, out, op=MPI.SUM)
         return out.tolist()
+
+    def broadcast_arrays(self, arrays: dict[str, np.ndarray], root: int = 0) -> dict[str, np.ndarray]:
+        """`root`'s named arrays on every rank, as raw buffers (a model-sized pickle would
+        cost a copy and its memory twice over)."""
+        if self.comm is None:
+            return arrays
+        layout = self.bcast({k: (a.shape, a.dtype.str) for k, a in arrays.items()} if self.rank == root else None,
+                            root)
+        out = {}
+        with self.watch("state broadcast", patience=10):
+            for name, (shape, dtype) in layout.items():
+                buf = np.ascontiguousarray(arrays[name]) if self.rank == root else np.empty(shape, np.dtype(dtype))
+                self.comm.Bcast(buf, root=root)
+                out[name] = buf
+        return out
 
     def barrier(self, what: str = "barrier", patience: float = 1.0) -> None:
         if self.comm is not None:

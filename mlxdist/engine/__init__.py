@@ -1,16 +1,15 @@
-"""Engines do the math of one rank's step; the loop in train.py is shared by both.
+"""Engines do the math of one rank's step; the loop in training/loop.py is shared by both.
 
-This package is the only place that knows which engines exist: `train.py` asks it for a
-world and an engine by the CLI's name and never branches on that name itself.
+This package is the only place that knows which engines exist: the loop asks it for a
+world, an engine and the engine's gradient reducer by the CLI's name and never branches
+on that name itself.
 """
 
 from __future__ import annotations
 
-import os
-
 from ..config import Config
-from ..dist.world import World, init_world, launched_by_mpirun, resolve_backend
-from .base import Engine, StepStats
+from ..dist.world import World, init_world, launcher_world_size, resolve_backend
+from .base import Engine, LocalGradients, StepStats, local_step
 
 ENGINES = ("mlx", "torch")
 
@@ -27,25 +26,21 @@ def make_world(name: str, cfg: Config, device: str = "auto") -> World:
     """The ranks of this job. The PyTorch engine is single-node and refuses an mpirun launch
     before touching MPI; the MLX engine initialises MPI in the order its backend needs."""
     if name == "torch":
-        if launched_by_mpirun():
-            from .torch_engine import check_single_node
+        from .torch_engine import check_single_node
 
-            check_single_node(int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")), device)
+        check_single_node(launcher_world_size(), device)
         return World()
     return init_world(resolve_backend(cfg.dist.backend))
 
 
-def make_engine(name: str, cfg: Config, world: World | None = None, device: str = "auto") -> Engine:
-    """Build the engine the CLI asked for, with its model and its view of the other ranks;
-    each import is lazy so neither framework is required."""
-    world = world or World()
+def make_engine(name: str, cfg: Config, device: str = "auto") -> Engine:
+    """Build the engine the CLI asked for, with its model; each import is lazy so neither
+    framework is required."""
     if name == "mlx":
-        from ..dist.collective import make_collective
         from ..models.build import build_mlx
         from .mlx_engine import MLXEngine
 
-        collective = make_collective(world, resolve_backend(cfg.dist.backend), cfg.dist.ring_connections)
-        return MLXEngine(build_mlx(cfg), cfg, world, collective)
+        return MLXEngine(build_mlx(cfg), cfg)
     if name == "torch":
         from .torch_engine import TorchEngine
 
@@ -53,4 +48,19 @@ def make_engine(name: str, cfg: Config, world: World | None = None, device: str 
     raise ValueError(f"unknown engine '{name}' (use {' or '.join(ENGINES)})")
 
 
-__all__ = ["ENGINES", "Engine", "StepStats", "make_engine", "make_world", "prepare_process"]
+def make_reducer(name: str, cfg: Config, world: World):
+    """The data-plane sum of this engine's gradient arrays across ranks (`sync/grad.py`'s
+    `all_sum` contract); the data-parallel strategy holds it and never asks which it is."""
+    if name == "mlx" and world.size > 1:
+        from ..dist.collective import make_collective
+        from ..sync.grad import GradSync
+
+        collective = make_collective(world, resolve_backend(cfg.dist.backend), cfg.dist.ring_connections)
+        return GradSync(collective, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
+    from ..sync.grad import Unreduced
+
+    return Unreduced()
+
+
+__all__ = ["ENGINES", "Engine", "LocalGradients", "StepStats", "local_step", "make_engine", "make_reducer",
+           "make_world", "prepare_process"]

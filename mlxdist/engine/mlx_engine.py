@@ -1,4 +1,4 @@
-"""The MLX engine: one rank's forward/backward, gradient sync, and AdamW update.
+"""The MLX engine: one rank's forward/backward and AdamW update.
 
 Master weights and AdamW moments stay fp32; with `model.dtype` bf16/fp16 the forward pass
 runs on a cast copy, and the cast's gradient brings fp32 gradients back for free. Only the
@@ -19,12 +19,9 @@ from mlx.utils import tree_unflatten
 
 from ..config import Config
 from ..data.batch import TokenBatch
-from ..dist.collective import Collective
-from ..dist.world import World
 from ..models.build import BuiltModel
-from ..sync.grad import GradSync, SyncStats
-from .base import StepStats
-from .common import as_batch, check_weights, checksum, decays, sample_tokens
+from .base import LocalGradients, StepStats
+from .common import check_weights, checksum, decays, sample_tokens
 from .memory import MemoryReading, with_override
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -33,13 +30,8 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 class MLXEngine:
     name = "mlx"
 
-    def __init__(self, built: BuiltModel, cfg: Config, world: World | None = None,
-                 collective: Collective | None = None):
+    def __init__(self, built: BuiltModel, cfg: Config):
         self.cfg = cfg
-        self.world = world or World()
-        self.collective = collective or Collective()
-        self.sync = GradSync(self.collective, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
-        self.local_steps = cfg.dist.mode == "diloco"
         self.device = str(mx.default_device())
         self.compute_dtype = DTYPES[cfg.model.dtype]
         self.model = built.module
@@ -95,7 +87,7 @@ class MLXEngine:
         self._tokens = 0
 
     def micro_step(self, batch: TokenBatch | np.ndarray) -> None:
-        batch = as_batch(batch)
+        batch = TokenBatch.of(batch)
         loss, grads = self._value_and_grad(self.params, *self._arrays(batch))
         if self._grads is None:
             self._grads = grads
@@ -105,22 +97,18 @@ class MLXEngine:
         self._tokens += batch.trained_tokens
         mx.eval(self._grads, self._loss_sum)
 
-    def step(self, lr: float) -> StepStats:
+    def take_gradients(self) -> LocalGradients:
         if self._grads is None:
-            raise RuntimeError("step() without micro_step(): no gradients to apply")
-        if self.local_steps:  # this rank alone: no collective, so no rank waits for another
-            grads, norm, sync = self._local_gradients()
-            loss_sum, tokens, reported = self._loss_sum.item(), self._tokens, norm
-        else:
-            self.world.rendezvous("waiting for the other ranks to finish computing")
-            grads, sync = self.sync.all_sum([self._grads[n] for n in self.names])
-            loss_sum, tokens = self.world.allreduce_sum([self._loss_sum.item(), self._tokens])
-            grads = [g * (1.0 / max(tokens, 1)) for g in grads]
-            norm = reported = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
+            raise RuntimeError("take_gradients() without micro_step(): no gradients to apply")
+        out = LocalGradients([self._grads[n] for n in self.names], self._loss_sum.item(), self._tokens)
         self._reset_accumulators()
-        stats = StepStats(loss_sum, int(tokens), reported, skipped=False,
-                          sync_seconds=sync.seconds, sync_bytes=sync.bytes, local=self.local_steps)
-        if not (math.isfinite(loss_sum) and math.isfinite(reported)):
+        return out
+
+    def apply_gradients(self, grads: list[mx.array], loss_sum: float, count: int, lr: float) -> StepStats:
+        grads = [g * (1.0 / max(count, 1)) for g in grads]
+        norm = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
+        stats = StepStats(loss_sum, int(count), norm, skipped=False)
+        if not (math.isfinite(loss_sum) and math.isfinite(norm)):
             stats.skipped = True
             return stats
         clip = self.cfg.train.grad_clip
@@ -136,18 +124,11 @@ class MLXEngine:
         self.opt_step = t
         return stats
 
-    def _local_gradients(self) -> tuple[list[mx.array], float, SyncStats]:
-        """dist.mode=diloco: this rank's own gradient, averaged over its own tokens; the
-        ranks meet only in the outer step."""
-        grads = [self._grads[n] * (1.0 / max(self._tokens, 1)) for n in self.names]
-        norm = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
-        return grads, norm, SyncStats()
-
     def discard_gradients(self) -> None:
         self._reset_accumulators()
 
     def eval_loss(self, batch: TokenBatch | np.ndarray) -> tuple[float, int]:
-        batch = as_batch(batch)
+        batch = TokenBatch.of(batch)
         loss = self._loss(self.params, *self._arrays(batch))
         return loss.item(), batch.trained_tokens
 
@@ -179,19 +160,6 @@ class MLXEngine:
         self.v = {n: mx.array(state[f"v.{n}"]) for n in self.names}
         self.opt_step = int(step)
 
-    def broadcast_state(self, root: int = 0) -> None:
-        if self.collective.size == 1:
-            return
-        k = len(self.names)
-        arrays = [self.params[n] for n in self.names] + [self.m[n] for n in self.names] + \
-                 [self.v[n] for n in self.names] + [mx.array([float(self.opt_step)])]
-        out = self.collective.broadcast(arrays, root)
-        self.params = dict(zip(self.names, out[:k], strict=True))
-        self.m = dict(zip(self.names, out[k : 2 * k], strict=True))
-        self.v = dict(zip(self.names, out[2 * k : 3 * k], strict=True))
-        mx.eval(self.params, self.m, self.v)
-        self.opt_step = int(out[-1].item())
-
     def weight_checksum(self) -> int:
         return checksum(np.array(self.params[n]) for n in self.names)
 
@@ -220,11 +188,3 @@ class MLXEngine:
         from ..blas import status
 
         return f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}"
-
-    # -- fault-injection seams ---------------------------------------------------------
-    def poison_loss(self) -> None:
-        self._loss_sum = self._loss_sum + float("nan")
-
-    def perturb_weights(self, eps: float = 1e-3) -> None:
-        first = self.names[0]
-        self.params[first] = self.params[first] + eps

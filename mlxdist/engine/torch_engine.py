@@ -32,8 +32,8 @@ from ..config import Config
 from ..data.batch import TokenBatch
 from ..models.build import build_torch
 from ..models.presets import ModelArgs
-from .base import StepStats
-from .common import as_batch, check_weights, checksum, decays, sample_tokens
+from .base import LocalGradients, StepStats
+from .common import check_weights, checksum, decays, sample_tokens
 from .memory import MemoryReading, process_reading, with_override
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,15 +117,6 @@ def check_single_node(world_size: int, device: str) -> None:
     raise RuntimeError(msg)
 
 
-def _launcher_world_size() -> int:
-    """World size announced by an MPI/torchrun launcher, 1 when started by hand."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 1
-
-
 def compile_enabled(device: str) -> tuple[bool, str]:
     """Whether to `torch.compile` the forward on `device`, and why (for `describe()`)."""
     flag = os.environ.get("DISABLE_COMPILE", "")
@@ -163,7 +154,6 @@ class TorchEngine:
         """`args` overrides the preset's shape (tests build odd sizes)."""
         self.cfg = cfg
         self.device, self.device_reason = select_device(device)
-        check_single_node(_launcher_world_size(), self.device)
         self.device_type = self.device.split(":")[0]
         self.dev = torch.device(self.device)
 
@@ -286,9 +276,6 @@ class TorchEngine:
         peft_model.save_pretrained(str(out_dir))
         return Path(out_dir)
 
-    def broadcast_state(self, root: int = 0) -> None:
-        """Single-node engine: one rank already holds the whole state."""
-
     def weight_checksum(self) -> int:
         return checksum(_to_numpy(p) for p in self._params)
 
@@ -301,10 +288,6 @@ class TorchEngine:
     def reset_peak(self) -> None:
         if self.device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-
-    def perturb_weights(self, eps: float = 1e-3) -> None:
-        with torch.no_grad():
-            self._params[0].add_(eps)
 
     def _from_numpy(self, value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         """A fresh device tensor: `from_numpy` shares memory, and optimizer moments that
@@ -343,7 +326,7 @@ class TorchEngine:
             }
 
     def micro_step(self, batch: TokenBatch | np.ndarray) -> None:
-        loss, n = self._summed_loss(self._forward, as_batch(batch))
+        loss, n = self._summed_loss(self._forward, TokenBatch.of(batch))
         if self.scaler is not None:
             if not self._scaler_ready:
                 self.scaler = torch.amp.GradScaler(
@@ -356,23 +339,29 @@ class TorchEngine:
         self._loss_sum += loss.detach()
         self._tokens += n
 
-    def step(self, lr: float) -> StepStats:
+    def take_gradients(self) -> LocalGradients:
         if self._tokens == 0:
-            raise RuntimeError("TorchEngine.step() called before any micro_step()")
-        tokens = self._tokens
+            raise RuntimeError("TorchEngine.take_gradients() called before any micro_step()")
+        out = LocalGradients([p.grad for p in self._params], float(self._loss_sum), self._tokens)
+        self._reset_accumulators()
+        return out
+
+    def apply_gradients(self, grads: list[torch.Tensor], loss_sum: float, count: int, lr: float) -> StepStats:
+        with torch.no_grad():
+            for p, g in zip(self._params, grads, strict=True):
+                if g is not None and g is not p.grad:  # sums handed back by the sync strategy
+                    p.grad = g.to(p.device).reshape(p.shape)
         grads = [p.grad for p in self._params if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
-        torch._foreach_mul_(grads, 1.0 / tokens)
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        # One host sync per optimizer step (not per micro-step) for both checks.
-        loss_sum, grad_norm = (float(x) for x in torch.stack([self._loss_sum, norm.float()]).cpu())
+        torch._foreach_mul_(grads, 1.0 / max(count, 1))
+        grad_norm = float(torch.nn.utils.get_total_norm(grads, 2.0))
         finite = np.isfinite(loss_sum) and np.isfinite(grad_norm)
         self.last_skip_overflow = False
         if finite:
             clip = self.cfg.train.grad_clip
             if clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(self._params, clip, norm)
+                torch.nn.utils.clip_grads_with_norm_(self._params, clip, torch.tensor(grad_norm))
             for group in self.opt.param_groups:
                 group["lr"] = lr
             if self.scaler is not None:
@@ -386,17 +375,12 @@ class TorchEngine:
             self.last_skip_overflow = np.isfinite(loss_sum)
             self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
-        self._reset_accumulators()
-        return StepStats(loss_sum=loss_sum, tokens=tokens, grad_norm=grad_norm, skipped=not finite)
+        return StepStats(loss_sum=loss_sum, tokens=count, grad_norm=grad_norm, skipped=not finite)
 
     def discard_gradients(self) -> None:
         """Drop a half-accumulated step (after an out-of-memory), keeping weights and moments."""
         self.opt.zero_grad(set_to_none=True)
         self._reset_accumulators()
-
-    def poison_loss(self) -> None:
-        """Test seam: make this step's loss non-finite, as a numerical blow-up would."""
-        self._loss_sum += float("nan")
 
     def clear_cache(self) -> None:
         if self.device_type == "cuda":
@@ -406,7 +390,7 @@ class TorchEngine:
 
     @torch.no_grad()
     def eval_loss(self, batch: TokenBatch | np.ndarray) -> tuple[float, int]:
-        loss, n = self._summed_loss(self._forward, as_batch(batch))
+        loss, n = self._summed_loss(self._forward, TokenBatch.of(batch))
         return float(loss), n
 
     @torch.no_grad()

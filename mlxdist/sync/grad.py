@@ -42,6 +42,13 @@ def plan_buckets(sizes: list[int], bucket_elems: int) -> list[list[int]]:
     return buckets
 
 
+class Unreduced:
+    """One rank, or an engine whose arrays stay its own: the sum over ranks is the array."""
+
+    def all_sum(self, arrays: list) -> tuple[list, SyncStats]:
+        return arrays, SyncStats()
+
+
 class GradSync:
     def __init__(self, collective: Collective, bucket_mb: float = 25.0, wire_dtype: str = "float32"):
         self.collective = collective

@@ -26,8 +26,7 @@ class Evaluator:
             idx = [(i * b + j) % n for j in range(b)]
             offset = 0
             for size in micro_batches(b, micro):
-                got = self.eval_set.batch(idx[offset : offset + size])
-                ls, count = engine.eval_loss(got if isinstance(got, TokenBatch) else TokenBatch(got))
+                ls, count = engine.eval_loss(TokenBatch.of(self.eval_set.batch(idx[offset : offset + size])))
                 loss_sum, tokens, offset = loss_sum + ls, tokens + count, offset + size
         loss_sum, tokens = self.world.allreduce_sum([loss_sum, tokens])
         return loss_sum / max(tokens, 1)
