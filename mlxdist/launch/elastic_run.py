@@ -24,14 +24,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..markers import Exit
+from ..markers import Exit, RestartCounts
 from .elastic import (
     Copy,
     ElasticSettings,
     GiveUp,
     Probe,
     RejoinWatch,
-    RestartCounts,
     failure_reason,
     plan_restart,
     restart_args,
