@@ -325,6 +325,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def config_from_args(argv: list[str]) -> Config:
+    """The Config that `python -m mlxdist.train ARGV` runs with, for tools that start the
+    trainer (`launch/mlxrun --elastic`): `--config FILE`, `--resume X` (checkpoint.resume) and
+    key=value overrides, on either side of the options. The trainer's other options
+    (`--engine torch`, `--device cpu`) are passed over with their values."""
+    path = resume = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if arg == "--":
+            overrides += argv[i:]
+            break
+        if not arg.startswith("-"):
+            overrides.append(arg)
+            continue
+        flag, eq, value = arg.partition("=")
+        ours = next((o for o in ("--config", "--resume") if len(flag) > 2 and o.startswith(flag)), None)
+        if not eq and i < len(argv) and not argv[i].startswith("-") and (ours or "=" not in argv[i]):
+            value, i = argv[i], i + 1  # the option's value
+        elif ours and not eq:
+            raise ConfigError(f"{ours}: expected a value")
+        if ours == "--config":
+            path = value
+        elif ours == "--resume":
+            resume = value
+    return load_config(path, overrides + ([f"checkpoint.resume={resume}"] if resume else []))
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single field's range cannot express."""
     if cfg.data.overlap >= cfg.data.seq_len:

@@ -4,7 +4,7 @@ import sys
 import pytest
 from helpers import env
 
-from mlxdist.config import ConfigError, load_config, parse_override
+from mlxdist.config import ConfigError, config_from_args, load_config, parse_override
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -61,6 +61,18 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mlxdist.train", "--config", str(tmp_path / "nope.yaml")],
                        capture_output=True, text=True, env=env(), timeout=60)
     assert r.returncode == 2 and "config file not found" in r.stderr
+
+
+def test_config_from_train_args_passes_over_other_options(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  steps: 9\n")
+    cfg = config_from_args(["--engine", "torch", "train.lr=1e-3", "--config", str(f), "--device=cpu",
+                            "--resume", "auto", "checkpoint.every=4"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.checkpoint.every, cfg.checkpoint.resume) == (9, 1e-3, 4, "auto")
+    with pytest.raises(ConfigError, match="train.stepz"):
+        config_from_args(["train.stepz=1", "--engine", "mlx"])
+    with pytest.raises(ConfigError, match="--config: expected a value"):
+        config_from_args(["--config"])
 
 
 def test_cli_overrides_and_options_mix():

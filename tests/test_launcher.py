@@ -6,7 +6,7 @@ import pytest
 from helpers import ROOT, env
 
 from mlxdist.dist.world import MPI_LIBNAME
-from mlxdist.launch.launcher import read_hostfile
+from mlxdist.launch.hosts import read_hostfile
 from mlxdist.launch.mpirun import mpirun_command
 from mlxdist.launch.supervisor import supervise
 from mlxdist.markers import (
@@ -108,6 +108,30 @@ def test_unknown_subset_host_is_named(tmp_path):
     assert r.returncode == 2 and "--hosts" in r.stderr
 
 
+def test_simcluster_is_found_through_its_launch_profile(tmp_path):
+    """`--simcluster DIR --hosts` and the rig's hostfile need only the launch.json profile the rig
+    writes; the launcher never imports the rig."""
+    from mlxdist.launch.profile import ClusterProfile, ProfileHost
+
+    agent, hostfile = tmp_path / "ssh-agent", tmp_path / "hostfile"
+    agent.write_text("#!/bin/sh\n")
+    hosts = [ProfileHost(f"mlxlp{i}", f"10.79.8.{i}", 2, (f"mlxlp-{i}",)) for i in (1, 2, 3)]
+    hostfile.write_text("".join(f"{h.ip} slots=2\n" for h in hosts))
+    ClusterProfile("mlxlp", tmp_path, hostfile, hosts, agent, "10.79.8.0/24").write()
+    r = _mlxrun("--simcluster", str(tmp_path), "--hosts", "mlxlp-3,1", "--dry-run", "--no-check")
+    assert r.returncode == 0, r.stderr
+    assert f"--hostfile {tmp_path / 'hostfile-1-3'} " in r.stdout and "-np 4" in r.stdout
+    assert f"plm_ssh_agent {agent}" in r.stdout and "btl_tcp_if_include 10.79.8.0/24" in r.stdout
+    assert (tmp_path / "hostfile-1-3").read_text() == "10.79.8.1 slots=2\n10.79.8.3 slots=2\n"
+    r = _mlxrun("--simcluster", str(tmp_path), "--hosts", "4", "--dry-run", "--no-check")
+    assert r.returncode == 2 and "--hosts 4: host '4' not in 1..3 of cluster mlxlp" in r.stderr
+    r = _mlxrun("--hostfile", str(hostfile), "--dry-run", "--no-check")
+    assert "belongs to simulated cluster 'mlxlp'" in r.stderr and f"plm_ssh_agent {agent}" in r.stdout
+    code = "import sys, mlxdist.launch.launcher; print(sorted(m for m in sys.modules if m.startswith('mlxdist.rig')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), timeout=60)
+    assert r.stdout.strip() == "[]", r.stderr
+
+
 @pytest.mark.cluster
 @pytest.mark.netns
 def test_mlxrun_rehearses_on_a_simulated_cluster(tmp_path):
@@ -126,7 +150,8 @@ def test_mlxrun_rehearses_on_a_simulated_cluster(tmp_path):
 
 
 def test_cleanup_kills_the_jobs_leftovers_and_nothing_else():
-    from mlxdist.launch.supervisor import Remote, cleanup_script, leftover_pattern
+    from mlxdist.launch.hosts import Remote
+    from mlxdist.launch.supervisor import cleanup_script, leftover_pattern
 
     sleeper = [sys.executable, "-X", "mlxdist_job={}", "-c", "import time; time.sleep(60)"]
     mine, other = (subprocess.Popen([a.format(t) for a in sleeper]) for t in ("c0ffee01", "c0ffee02"))

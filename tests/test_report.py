@@ -17,7 +17,7 @@ import pytest
 import yaml
 from helpers import ROOT, env, run_train
 
-from mlxdist.launch.launcher import read_hostfile
+from mlxdist.launch.hosts import read_hostfile
 
 STEPS = 40
 PLOTS = ("loss.png", "throughput.png", "shares.png", "timing.png")

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import PretrainedError
+
 if TYPE_CHECKING:
     import mlx.nn
     import numpy as np
@@ -33,10 +35,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _GGUF_BITS = {2: 4, 3: 4, 8: 8}  # Q4_0, Q4_1, Q8_0
 _SAMPLES = 16
 _CHUNK = 1 << 16
-
-
-class PretrainedError(ValueError):
-    """A one-line, user-facing problem with a pretrained model path."""
 
 
 @dataclass(frozen=True)

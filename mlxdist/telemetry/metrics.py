@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from .. import __version__
-from ..launch.elastic import RestartCounts
+from ..markers import RestartCounts
 
 # Event kind -> counter attribute, and -> (controller, default action) of a decision.
 _COUNTERS = {"skipped": "nonfinite", "rollback": "rollbacks", "drift_repair": "drift_repairs"}
