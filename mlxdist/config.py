@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,9 @@ import yaml
 
 class ConfigError(ValueError):
     """A one-line, user-facing problem with the configuration."""
+
+
+_RANK_KEY = re.compile(r"rank\d+")
 
 
 def _range(lo: float | None = None, hi: float | None = None, choices: tuple = ()) -> dict:
@@ -175,19 +180,50 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def node_key(self, host: str, rank: int | None = None) -> str | None:
+        """The `nodes:` key that applies to this rank, or None (then `train.batch_size`).
+
+        In order: `rankN`; the host's name, or its short name (before the first dot, so
+        `Studio.local` is `studio`), exactly, then as a glob; then the words of the short
+        name (a Mac's default name is `Owners-Model`: `macbook` or `macbook*` matches
+        `Johns-MacBook-Pro`, `mac-mini` matches `Johns-Mac-mini`), exactly, then as a glob;
+        then `default`. Case never matters (macOS capitalises host names; people write keys
+        in lower case). Within a step the first key in file order wins."""
+        keys = {k.lower(): k for k in self.nodes}
+        if rank is not None and f"rank{rank}" in keys:
+            return keys[f"rank{rank}"]
+        full = host.lower()
+        short = full.split(".")[0]
+        words = short.split("-")
+        runs = ["-".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)]
+        for names, glob in (((full, short), False), ((full, short), True), (runs, False), (runs, True)):
+            for low, key in keys.items():
+                if low == "default" or _RANK_KEY.fullmatch(low):
+                    continue
+                if any(fnmatch.fnmatchcase(n, low) if glob else n == low for n in names):
+                    return key
+        return keys.get("default")
+
     def node_for(self, host: str, rank: int | None = None) -> NodeConfig:
-        """Settings of the `nodes:` entry for this rank: `rankN`, then host (exact, short name,
-        glob), then `default`. `rankN` keys tell apart several ranks sharing one host."""
-        short = host.split(".")[0]
-        for key in ((f"rank{rank}",) if rank is not None else ()) + (host, short):
-            if key in self.nodes:
-                return self.nodes[key]
-        for pattern, node in self.nodes.items():
-            if fnmatch.fnmatch(host, pattern) or fnmatch.fnmatch(short, pattern):
-                return node
-        if "default" in self.nodes:
-            return self.nodes["default"]
-        return NodeConfig(batch_size=self.train.batch_size)
+        """Settings of the `nodes:` entry for this rank (`node_key`); with none,
+        `train.batch_size`."""
+        key = self.node_key(host, rank)
+        return self.nodes[key] if key is not None else NodeConfig(batch_size=self.train.batch_size)
+
+    def unmatched_nodes_warning(self, hosts: Sequence[str]) -> str | None:
+        """With `nodes:` set, the warning to print at start when a host (of `hosts`, one per
+        rank, in rank order) matches no entry and falls back to `train.batch_size`; None
+        when every host matched (or `nodes:` is empty)."""
+        if not self.nodes:
+            return None
+        missed = [h for r, h in enumerate(hosts) if self.node_key(h, r) is None]
+        if not missed:
+            return None
+        names = ", ".join(f"'{h}'" for h in dict.fromkeys(missed))
+        return (f"nodes: host {names} matched no entry ({', '.join(self.nodes)}); "
+                f"{'it runs' if len(set(missed)) == 1 else 'they run'} with train.batch_size="
+                f"{self.train.batch_size}. Add a key: its short name, a word of it, a glob such as "
+                "'macbook*', or 'default'")
 
 
 def _type_name(tp: Any) -> str:

@@ -5,7 +5,7 @@ import time
 import pytest
 from helpers import ROOT, env
 
-from mlxdist.dist.world import MPI_LIBNAME
+from mlxdist.dist.world import default_mpi_library, mpi_library
 from mlxdist.launch.hosts import read_hostfile
 from mlxdist.launch.mpirun import mpirun_command
 from mlxdist.launch.supervisor import supervise
@@ -30,9 +30,11 @@ def test_dry_run_prints_mpirun_command():
                 "--", "--config", "configs/cluster.yaml")
     assert r.returncode == 0, r.stderr
     cmd = r.stdout.strip()
-    for part in ("-np 2", "--bind-to none", "btl_tcp_links 4", "MLX_MPI_LIBNAME=libmpi.so.40",
+    for part in ("-np 2", "--bind-to none", "btl_tcp_links 4", "btl self,sm,tcp",  # one host: shared memory
                  "-m mlxdist.train --config configs/cluster.yaml"):
         assert part in cmd
+    # an absolute path inside the environment, so no library search path is needed
+    assert f"/lib/{mpi_library(sys.platform, None)} " in cmd.split("MLX_MPI_LIBNAME=/", 1)[1]
 
 
 def test_unreachable_host_is_named(tmp_path):
@@ -96,7 +98,8 @@ def test_one_mpirun_builder(tmp_path, monkeypatch):
     assert ("--hostfile", str(tmp_path / "hostfile-1-3")) in pairs and cmd[-3:] == ["-np", "2", "prog"]
     assert ("plm_ssh_agent", str(c.ssh_agent)) in pairs and ("btl_tcp_if_include", "10.79.0.0/24") in pairs
     assert ("-x", "FOO") in pairs and ("-x", "BAR") not in pairs
-    assert ("-x", f"MLX_MPI_LIBNAME={MPI_LIBNAME}") in pairs
+    assert ("-x", f"MLX_MPI_LIBNAME={default_mpi_library('mpirun')}") in pairs
+    assert ("btl", "tcp,self") in pairs  # two hosts
     assert (tmp_path / "hostfile-1-3").read_text() == "10.79.0.1 slots=1\n10.79.0.3 slots=1\n"
     assert c.mpirun_args() == mpirun_command([], **c.mpirun_options(), mpirun="mpirun")[1:]
 

@@ -194,14 +194,14 @@ def _forwarded(argv: list[str]) -> list[str]:
 
 
 def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> dict:
-    from ..dist.world import MPI_LIBNAME
+    from ..dist.world import default_mpi_library, find_mpirun
     from ..launch.mpirun import mpirun_command
 
     wanted = [t.strip() for t in args.transports.split(",") if t.strip()]
     unknown = set(wanted) - set(TRANSPORTS)
     if unknown:
         raise SystemExit(f"unknown transport(s): {', '.join(sorted(unknown))}")
-    env = dict(os.environ, MLX_MPI_LIBNAME=os.environ.get("MLX_MPI_LIBNAME", MPI_LIBNAME))
+    env = dict(os.environ, MLX_MPI_LIBNAME=default_mpi_library(find_mpirun()))
     os.environ["MLX_MPI_LIBNAME"] = env["MLX_MPI_LIBNAME"]  # forwarded by the cluster too
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
