@@ -9,6 +9,7 @@ and saved; a frozen base stays inside the module.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from ..data.batch import TokenBatch
 from ..models.build import BuiltModel
 from .base import LocalGradients, StepStats
 from .common import check_weights, checksum, decays, sample_tokens
-from .memory import MemoryReading, with_override
+from .memory import MemoryReading, mlx_memory_limit, with_override
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -174,9 +175,13 @@ class MLXEngine:
 
     # -- machine ----------------------------------------------------------------------
     def memory(self) -> MemoryReading:
-        # On a Mac the limit is Metal's recommended working set; on Linux, about the RAM.
-        return with_override(MemoryReading(mx.get_active_memory(), mx.get_peak_memory(),
-                                           mx.get_memory_limit()))
+        return with_override(MemoryReading(mx.get_active_memory(), mx.get_peak_memory(), self._limit()[0]))
+
+    @staticmethod
+    def _limit() -> tuple[int, str]:
+        """On a Mac Metal's recommended working set (MLX's own limit is ~1.5x that, into
+        GPU paging); on Linux, about the RAM."""
+        return mlx_memory_limit(mx.device_info(), mx.get_memory_limit(), sys.platform)
 
     def reset_peak(self) -> None:
         mx.reset_peak_memory()
@@ -187,4 +192,4 @@ class MLXEngine:
     def describe(self) -> str:
         from ..blas import status
 
-        return f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}"
+        return f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}; {self._limit()[1]}"

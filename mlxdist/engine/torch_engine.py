@@ -34,7 +34,7 @@ from ..models.build import build_torch
 from ..models.presets import ModelArgs
 from .base import LocalGradients, StepStats
 from .common import check_weights, checksum, decays, sample_tokens
-from .memory import MemoryReading, process_reading, with_override
+from .memory import MemoryReading, mps_reading, process_reading, with_override
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -226,7 +226,9 @@ class TorchEngine:
 
     def _to_device(self, tokens: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(tokens)).long()
-        return t.to(self.dev, non_blocking=True)
+        # Non-blocking only on CUDA: on MPS a non-blocking copy from a temporary, unpinned
+        # tensor can hand the kernel corrupted data (PyTorch issues 139550, 189690).
+        return t.to(self.dev, non_blocking=self.device_type == "cuda")
 
     def _summed_loss(self, forward, batch: TokenBatch) -> tuple[torch.Tensor, int]:
         t = self._to_device(batch.tokens)
@@ -283,7 +285,7 @@ class TorchEngine:
         if self.device_type == "cuda":
             return with_override(MemoryReading(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
                                                torch.cuda.get_device_properties(self.dev).total_memory))
-        return process_reading()
+        return mps_reading(torch.mps) if self.device_type == "mps" else process_reading()
 
     def reset_peak(self) -> None:
         if self.device_type == "cuda":

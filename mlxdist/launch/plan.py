@@ -10,7 +10,7 @@ from pathlib import Path
 from ..dist.jaccl import is_mlx_hostfile, read_mlx_hostfile, to_openmpi_hostfile
 from ..markers import SUPERVISED_ENV
 from .hosts import LOCAL_NAMES, HostEntry, LaunchError, Remote, hostfile_text, read_hostfile
-from .mpirun import mpirun_command
+from .mpirun import hostfile_network, mpirun_command
 from .profile import PROFILE_FILE, ClusterProfile, find_dir
 
 
@@ -71,6 +71,11 @@ def plan_hostfile(path: str, ssh_agent: str | None, iface: str | None) -> Launch
             launch.notes.append(f"{hostfile} belongs to simulated cluster '{profile.name}': using its ssh stand-in")
     if launch.ssh_agent is not None and not launch.ssh_agent.is_file():
         raise LaunchError(f"ssh agent {launch.ssh_agent}: not found")
+    if launch.network is None and launch.ssh_agent is None:
+        # Without it Open MPI also tries awdl0, llw0, utun* and IPv6 link-local addresses on a Mac.
+        launch.network = hostfile_network([h.name for h in hosts])
+        if launch.network:
+            launch.notes.append(f"MPI traffic on {launch.network} (the hostfile's subnet; --iface to choose)")
     return launch
 
 

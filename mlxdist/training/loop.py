@@ -9,6 +9,7 @@ which engine or strategy it holds.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ..control.plan import Decision
 from ..data import GlobalSampler, build_datasets
 from ..data.batch import BatchMaker, TokenBatch
 from ..data.feed import StepFeed
+from ..dist.awake import hold_awake
 from ..dist.drift import SelfCheck, drift_verdict
 from ..dist.world import World, resolve_backend
 from ..engine import make_engine, make_reducer, make_world
@@ -48,6 +50,7 @@ class Trainer:
         self.run_dir = Path(cfg.train.out_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.world.install_signal_handlers()
+        hold_awake(os.getpid())  # a MacBook that sleeps mid-run stalls the whole cluster
         self.world.start_watchdog(cfg.dist.stall_timeout_s)
         w = self.world
 
@@ -60,6 +63,9 @@ class Trainer:
                 self.report.say(f"config: {warning}")
 
         self.hosts = w.allgather(w.host)
+        unmatched = cfg.unmatched_nodes_warning(self.hosts)
+        if w.is_main and unmatched:
+            self.report.say(f"config: {unmatched}")
         self.state = ckpt.RunState()
         train_set, eval_set = self._datasets(inspect_base(cfg))
         self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device), w.rank, lambda: self.state.step)
