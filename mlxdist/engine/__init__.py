@@ -57,7 +57,7 @@ def make_reducer(name: str, cfg: Config, world: World):
 
         collective = make_collective(world, resolve_backend(cfg.dist.backend), cfg.dist.ring_connections)
         return GradSync(collective, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
-    from ..sync.grad import Unreduced
+    from ..sync.reducer import Unreduced
 
     return Unreduced()
 
