@@ -160,6 +160,13 @@ class ControlConfig:
 
 
 @dataclass
+class TaskConfig:
+    # "package.module:callable" returning an mlxdist.Task; unset: the built-in LM (model.*, data.*).
+    factory: str | None = None
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the factory
+
+
+@dataclass
 class MetricsConfig:
     port: int = field(default=9400, metadata=_range(0, 65535))
     bind: str = "0.0.0.0"
@@ -175,6 +182,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,6 +239,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, where: str, warnings: list[str] | None = None) -> Any:
+    if tp is Any:
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -352,6 +362,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _merge(data, parse_override(text))
     warnings: list[str] = []
     try:
+        _check_task_keys(data)
         cfg = _build(Config, data, "", warnings)
         validate(cfg)
     except ConfigError as e:
@@ -388,6 +399,22 @@ def config_from_args(argv: list[str]) -> Config:
         elif ours == "--resume":
             resume = value
     return load_config(path, overrides + ([f"checkpoint.resume={resume}"] if resume else []))
+
+
+# A task brings its own model and data: these keys would be silently ignored next to it.
+_BUILTIN_LM_KEYS = ("model.preset", "model.path", "model.quantize", "finetune", "data.source", "data.path")
+
+
+def _check_task_keys(data: dict) -> None:
+    task = data.get("task")
+    if not isinstance(task, dict) or not task.get("factory"):
+        return
+    for key in _BUILTIN_LM_KEYS:
+        section, _, name = key.partition(".")
+        node = data.get(section)
+        if isinstance(node, dict) and (not name or name in node) and (name or node):
+            raise ConfigError(f"task.factory and {key} are both set: a task brings its own model and data; "
+                              f"remove {key} (or task.factory to train the built-in LM)")
 
 
 def validate(cfg: Config) -> None:

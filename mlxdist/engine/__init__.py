@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..config import Config
 from ..dist.world import World, init_world, launcher_world_size, resolve_backend
+from ..tasks import Task
 from .base import Engine, LocalGradients, StepStats, local_step
 
 ENGINES = ("mlx", "torch")
@@ -33,18 +34,17 @@ def make_world(name: str, cfg: Config, device: str = "auto") -> World:
     return init_world(resolve_backend(cfg.dist.backend))
 
 
-def make_engine(name: str, cfg: Config, device: str = "auto") -> Engine:
-    """Build the engine the CLI asked for, with its model; each import is lazy so neither
-    framework is required."""
+def make_engine(name: str, cfg: Config, device: str = "auto", task: Task | None = None) -> Engine:
+    """Build the engine the CLI asked for, with the task's model (default: the built-in LM);
+    each import is lazy so neither framework is required."""
     if name == "mlx":
-        from ..models.build import build_mlx
         from .mlx_engine import MLXEngine
 
-        return MLXEngine(build_mlx(cfg), cfg)
+        return MLXEngine(cfg, task)
     if name == "torch":
         from .torch_engine import TorchEngine
 
-        return TorchEngine(cfg, device)
+        return TorchEngine(cfg, device, task=task)
     raise ValueError(f"unknown engine '{name}' (use {' or '.join(ENGINES)})")
 
 

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..data.batch import TokenBatch
+from ..tasks import Batch, TaskError
 from .memory import MemoryReading
 
 
@@ -41,6 +41,7 @@ class StepStats:
     sync_seconds: float = 0.0
     sync_bytes: int = 0
     local: bool = False  # loss, tokens and norm are this rank's own (no exchange this step)
+    why_skipped: str = "non-finite loss/gradients"
 
 
     @property
@@ -55,7 +56,7 @@ class Engine(Protocol):
     base_fingerprint: str | None  # of a pretrained base (every rank must train the same one)
 
     # -- the step ------------------------------------------------------------------
-    def micro_step(self, batch: TokenBatch) -> None:
+    def micro_step(self, batch: Batch) -> None:
         """Forward+backward; gradients accumulate until `step`."""
 
     def take_gradients(self) -> LocalGradients:
@@ -68,8 +69,8 @@ class Engine(Protocol):
     def discard_gradients(self) -> None:
         """Forget gradients accumulated since the last `step` (retry after out-of-memory)."""
 
-    def eval_loss(self, batch: TokenBatch) -> tuple[float, int]:
-        """(summed loss, trained-token count) without touching gradients."""
+    def eval_loss(self, batch: Batch) -> tuple[float, int]:
+        """(summed loss, unit count) without touching gradients, the model in eval mode."""
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """fp32 logits [b, T, vocab] for int32 tokens [b, T]."""
@@ -115,3 +116,33 @@ def local_step(engine: Engine, lr: float) -> StepStats:
     stats = engine.apply_gradients(g.arrays, g.loss_sum, g.count, lr)
     stats.local = True
     return stats
+
+
+def nothing_to_learn(loss_sum: float) -> StepStats:
+    """A step whose batches covered no unit anywhere (e.g. every answer masked): no update,
+    rather than a division by zero."""
+    return StepStats(loss_sum, 0, 0.0, skipped=True, why_skipped="the task's count was 0 on every rank")
+
+
+def as_batch(batch) -> Batch:
+    """A task's Batch as it is; a bare token array or TokenBatch (tools, tests, the built-in
+    LM's generation) as the built-in LM's batch."""
+    if isinstance(batch, Batch):
+        return batch
+    from ..tasks.lm import lm_batch_data, lm_count
+
+    data = lm_batch_data(batch)
+    return Batch(np.arange(len(data["tokens"])), data, lm_count(data))
+
+
+def check_scalar(loss, task: str):
+    """The task's loss as a 0-d array/tensor, or one line saying what it returned instead."""
+    numel = getattr(loss, "numel", None)
+    n = numel() if callable(numel) else getattr(loss, "size", None)
+    if not isinstance(n, int):
+        raise TaskError(f"task {task}: loss(model, batch) returned {type(loss).__name__}, not an array or tensor "
+                        "of the framework (return the summed loss, e.g. losses.sum())")
+    if n != 1:
+        raise TaskError(f"task {task}: loss(model, batch) returned shape {tuple(loss.shape)}, not a scalar; "
+                        "return the sum of the per-unit losses (e.g. losses.sum())")
+    return loss.reshape(())

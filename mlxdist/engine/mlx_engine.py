@@ -14,14 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
 from ..config import Config
-from ..data.batch import TokenBatch
-from ..models.build import BuiltModel
-from .base import LocalGradients, StepStats
+from ..models.build import built_from_task
+from ..tasks import Task, TaskContext, tree_map
+from ..tasks.lm import lm_model
+from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens
 from .memory import MemoryReading, mlx_memory_limit, with_override
 
@@ -31,10 +31,15 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 class MLXEngine:
     name = "mlx"
 
-    def __init__(self, built: BuiltModel, cfg: Config):
+    def __init__(self, cfg: Config, task: Task | None = None, args=None):
+        """`task` defaults to the built-in LM of `cfg`; `args` overrides its preset's shape (tests)."""
         self.cfg = cfg
         self.device = str(mx.default_device())
         self.compute_dtype = DTYPES[cfg.model.dtype]
+        task = task or lm_model(cfg, args)
+        self.task_loss, self.task_name = task.loss, task.name
+        built = built_from_task(task.build(TaskContext("mlx", self.device, cfg.train.seed, cfg)), "mlx", None,
+                                task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.names = sorted(built.params)
@@ -54,10 +59,11 @@ class MLXEngine:
         self.model.update(tree_unflatten(list(params.items())))
         return self.model(inputs).astype(mx.float32)
 
-    def _loss(self, params: dict[str, mx.array], inputs: mx.array, targets: mx.array,
-              mask: mx.array | None) -> mx.array:
-        losses = nn.losses.cross_entropy(self._forward(params, inputs), targets, reduction="none")
-        return (losses * mask).sum() if mask is not None else losses.sum()
+    def _loss(self, params: dict[str, mx.array], batch) -> mx.array:
+        if self.compute_dtype != mx.float32:
+            params = {k: v.astype(self.compute_dtype) for k, v in params.items()}
+        self.model.update(tree_unflatten(list(params.items())))
+        return check_scalar(self.task_loss(self.model, batch), self.task_name).astype(mx.float32)
 
     def _adamw_update(self, params, m, v, grads, scalars):
         lr, bc1, bc2, coef = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -76,10 +82,8 @@ class MLXEngine:
         return out_p, out_m, out_v
 
     @staticmethod
-    def _arrays(batch: TokenBatch) -> tuple[mx.array, mx.array, mx.array | None]:
-        tokens = mx.array(batch.tokens)
-        mask = None if batch.mask is None else mx.array(batch.mask.astype(np.float32))
-        return tokens[:, :-1], tokens[:, 1:], mask
+    def _arrays(data):
+        return tree_map(lambda a: mx.array(a.astype(np.float32) if a.dtype == np.float64 else a), data)
 
     # -- the step ---------------------------------------------------------------------
     def _reset_accumulators(self) -> None:
@@ -87,15 +91,15 @@ class MLXEngine:
         self._loss_sum = mx.array(0.0)
         self._tokens = 0
 
-    def micro_step(self, batch: TokenBatch | np.ndarray) -> None:
-        batch = TokenBatch.of(batch)
-        loss, grads = self._value_and_grad(self.params, *self._arrays(batch))
+    def micro_step(self, batch) -> None:
+        batch = as_batch(batch)
+        loss, grads = self._value_and_grad(self.params, self._arrays(batch.data))
         if self._grads is None:
             self._grads = grads
         else:
             self._grads = {k: self._grads[k] + grads[k] for k in grads}
         self._loss_sum = self._loss_sum + loss
-        self._tokens += batch.trained_tokens
+        self._tokens += batch.count
         mx.eval(self._grads, self._loss_sum)
 
     def take_gradients(self) -> LocalGradients:
@@ -106,6 +110,8 @@ class MLXEngine:
         return out
 
     def apply_gradients(self, grads: list[mx.array], loss_sum: float, count: int, lr: float) -> StepStats:
+        if count <= 0:
+            return nothing_to_learn(loss_sum)
         grads = [g * (1.0 / max(count, 1)) for g in grads]
         norm = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
         stats = StepStats(loss_sum, int(count), norm, skipped=False)
@@ -128,10 +134,14 @@ class MLXEngine:
     def discard_gradients(self) -> None:
         self._reset_accumulators()
 
-    def eval_loss(self, batch: TokenBatch | np.ndarray) -> tuple[float, int]:
-        batch = TokenBatch.of(batch)
-        loss = self._loss(self.params, *self._arrays(batch))
-        return loss.item(), batch.trained_tokens
+    def eval_loss(self, batch) -> tuple[float, int]:
+        batch = as_batch(batch)
+        self.model.eval()
+        try:
+            loss = self._loss(self.params, self._arrays(batch.data)).item()
+        finally:
+            self.model.train()
+        return loss, batch.count
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         return np.array(self._forward(self.params, mx.array(tokens)))

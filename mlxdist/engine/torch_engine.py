@@ -26,13 +26,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..config import Config
-from ..data.batch import TokenBatch
-from ..models.build import build_torch
+from ..models.build import built_from_task
 from ..models.presets import ModelArgs
-from .base import LocalGradients, StepStats
+from ..tasks import Batch, Task, TaskContext, tree_map
+from ..tasks.lm import lm_model
+from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens
 from .memory import MemoryReading, mps_reading, process_reading, with_override
 
@@ -150,8 +150,8 @@ class TorchEngine:
 
     name = "torch"
 
-    def __init__(self, cfg: Config, device: str = "auto", args: ModelArgs | None = None):
-        """`args` overrides the preset's shape (tests build odd sizes)."""
+    def __init__(self, cfg: Config, device: str = "auto", args: ModelArgs | None = None, task: Task | None = None):
+        """`task` defaults to the built-in LM of `cfg`; `args` overrides its preset's shape (tests)."""
         self.cfg = cfg
         self.device, self.device_reason = select_device(device)
         self.device_type = self.device.split(":")[0]
@@ -166,7 +166,10 @@ class TorchEngine:
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
             torch.backends.cudnn.allow_tf32 = self.tf32
 
-        built = build_torch(cfg, self.dev, args)
+        task = task or lm_model(cfg, args)
+        self.task_loss, self.task_name = task.loss, task.name
+        ctx = TaskContext("torch", self.device, cfg.train.seed, cfg)
+        built = built_from_task(task.build(ctx), "torch", self.dev, task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.model.train()
@@ -218,29 +221,24 @@ class TorchEngine:
     def _reset_accumulators(self) -> None:
         self._loss_sum = torch.zeros((), device=self.dev, dtype=torch.float32)
         self._tokens = 0
+        self._micro_steps = 0
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.amp_dtype)
 
-    def _to_device(self, tokens: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(tokens)).long()
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a, np.float32 if a.dtype == np.float64 else None))
         # Non-blocking only on CUDA: on MPS a non-blocking copy from a temporary, unpinned
         # tensor can hand the kernel corrupted data (PyTorch issues 139550, 189690).
         return t.to(self.dev, non_blocking=self.device_type == "cuda")
 
-    def _summed_loss(self, forward, batch: TokenBatch) -> tuple[torch.Tensor, int]:
-        t = self._to_device(batch.tokens)
-        inputs, targets = t[:, :-1], t[:, 1:]
+    def _summed_loss(self, forward, batch: Batch) -> tuple[torch.Tensor, int]:
+        data = tree_map(self._to_device, batch.data)
         with self._autocast():
-            logits = forward(inputs)
-        losses = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-        )
-        if batch.mask is not None:
-            losses = losses * torch.from_numpy(batch.mask.reshape(-1).astype(np.float32)).to(self.dev)
-        return losses.sum(), batch.trained_tokens
+            loss = self.task_loss(forward, data)
+        return check_scalar(loss, self.task_name).float(), batch.count
 
     # ---------------------------------------------------------------- protocol
 
@@ -327,8 +325,8 @@ class TorchEngine:
                 "exp_avg_sq": self._from_numpy(_ours(name, state[f"v.{name}"]), p),
             }
 
-    def micro_step(self, batch: TokenBatch | np.ndarray) -> None:
-        loss, n = self._summed_loss(self._forward, TokenBatch.of(batch))
+    def micro_step(self, batch) -> None:
+        loss, n = self._summed_loss(self._forward, as_batch(batch))
         if self.scaler is not None:
             if not self._scaler_ready:
                 self.scaler = torch.amp.GradScaler(
@@ -340,15 +338,19 @@ class TorchEngine:
             loss.backward()
         self._loss_sum += loss.detach()
         self._tokens += n
+        self._micro_steps += 1
 
     def take_gradients(self) -> LocalGradients:
-        if self._tokens == 0:
+        if self._micro_steps == 0:
             raise RuntimeError("TorchEngine.take_gradients() called before any micro_step()")
         out = LocalGradients([p.grad for p in self._params], float(self._loss_sum), self._tokens)
         self._reset_accumulators()
         return out
 
     def apply_gradients(self, grads: list[torch.Tensor], loss_sum: float, count: int, lr: float) -> StepStats:
+        if count <= 0:
+            self.opt.zero_grad(set_to_none=True)
+            return nothing_to_learn(loss_sum)
         with torch.no_grad():
             for p, g in zip(self._params, grads, strict=True):
                 if g is not None and g is not p.grad:  # sums handed back by the sync strategy
@@ -391,14 +393,18 @@ class TorchEngine:
             torch.mps.empty_cache()
 
     @torch.no_grad()
-    def eval_loss(self, batch: TokenBatch | np.ndarray) -> tuple[float, int]:
-        loss, n = self._summed_loss(self._forward, TokenBatch.of(batch))
+    def eval_loss(self, batch) -> tuple[float, int]:
+        self.model.eval()
+        try:
+            loss, n = self._summed_loss(self._forward, as_batch(batch))
+        finally:
+            self.model.train()
         return float(loss), n
 
     @torch.no_grad()
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         with self._autocast():
-            out = self.model(self._to_device(tokens))
+            out = self.model(self._to_device(tokens).long())
         return out.float().cpu().numpy()
 
     def sample(self, prompt: list[int], max_new: int, temperature: float = 0.8, seed: int = 0,

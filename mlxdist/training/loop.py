@@ -13,14 +13,15 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from ..config import Config, ConfigError
-from ..control import BatchSizeError, StepPlan, micro_batches, replan
+from ..control import BatchSizeError, StepPlan, replan
 from ..control.controllers import Controllers
 from ..control.plan import Decision
-from ..data import GlobalSampler, build_datasets
-from ..data.batch import BatchMaker, TokenBatch
+from ..data import GlobalSampler
+from ..data.batch import BatchMaker
 from ..data.feed import StepFeed
 from ..dist.awake import hold_awake
 from ..dist.drift import SelfCheck, drift_verdict
@@ -29,10 +30,12 @@ from ..engine import make_engine, make_reducer, make_world
 from ..engine.base import Engine, StepStats
 from ..engine.memory import MemoryReading
 from ..markers import announce_complete
-from ..models.build import inspect_base
 from ..state import checkpoint as ckpt
 from ..state.checkpointer import Checkpointer
 from ..sync.strategy import SyncStrategy, make_strategy, share_state
+from ..tasks import Batch, Task
+from ..tasks.fingerprint import check_same, fingerprint
+from ..tasks.load import resolve_task
 from ..telemetry.events import EventLog, Progress
 from ..telemetry.metrics import Metrics
 from ..telemetry.reporter import Log, Reporter
@@ -44,7 +47,8 @@ from .states import ClusterInfo, ModelState
 class Trainer:
     """Wires the components of one run together and runs the loop."""
 
-    def __init__(self, cfg: Config, engine_name: str = "mlx", device: str = "auto"):
+    def __init__(self, cfg: Config, engine_name: str = "mlx", device: str = "auto", task: Task | None = None):
+        """`task`: what `mlxdist.fit` was given; None: the config's (`task.factory` or the built-in LM)."""
         self.cfg = cfg
         self.world: World = make_world(engine_name, cfg, device)
         self.run_dir = Path(cfg.train.out_dir)
@@ -67,13 +71,18 @@ class Trainer:
         if w.is_main and unmatched:
             self.report.say(f"config: {unmatched}")
         self.state = ckpt.RunState()
-        train_set, eval_set = self._datasets(inspect_base(cfg))
-        self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device), w.rank, lambda: self.state.step)
+        self.task = task or resolve_task(cfg, self.report.say if w.is_main else None)
+        progress.unit = self.task.unit
+        check_same(w.allgather(fingerprint(self.task, cfg.task.args)), self.hosts, self.task.name)
+        self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device, self.task), w.rank,
+                                          lambda: self.state.step)
         self._check_same_base()
         self.sync: SyncStrategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, w), self.hosts)
-        self.evaluator = Evaluator(eval_set, cfg.train, w)
-        self.feed = StepFeed(BatchMaker(train_set, GlobalSampler(len(train_set), cfg.train.seed), w.rank),
-                             cfg.data.prefetch)
+        self.evaluator = Evaluator(self.task, cfg.train, w)
+        data = self.task.dataset
+        self.feed = StepFeed(BatchMaker(lambda idx: self.task.make_batch(data, idx),
+                                        GlobalSampler(len(data), cfg.train.seed), w.rank), cfg.data.prefetch)
+        self._units = 0
 
         node = cfg.node_for(w.host, w.rank)
         my_micro = node.batch_size if cfg.nodes else cfg.train.batch_size
@@ -93,7 +102,7 @@ class Trainer:
         if warning:
             self.report.say(warning)
         if w.is_main:
-            self._banner(backend, len(train_set))
+            self._banner(backend)
         for note in getattr(self.engine, "notes", []):
             self.report.say(note)
 
@@ -131,7 +140,7 @@ class Trainer:
         return 0
 
     # ------------------------------------------------------------------ phases
-    def forward_backward(self, batches: list[TokenBatch]) -> float:
+    def forward_backward(self, batches: list[Batch]) -> float:
         """This rank's share of the step, in micro-batches. On out-of-memory the micro-batch
         shrinks and the same samples are redone: the share is unchanged, so peers simply
         wait in the exchange, and the new size reaches them at the next all-gather."""
@@ -141,6 +150,7 @@ class Trainer:
             try:
                 for batch in batches:
                     self.engine.micro_step(batch)
+                self._units = sum(b.count for b in batches)
                 return time.perf_counter() - t0
             except (MemoryError, RuntimeError) as e:
                 if not isinstance(e, MemoryError) and not _looks_like_oom(e):
@@ -159,11 +169,15 @@ class Trainer:
     def rolled_back(self, stats: StepStats) -> bool:
         """Health check of the step; after too many bad steps in a row, go back to the last
         checkpoint with a lower learning rate. True when it did."""
+        if stats.skipped and stats.tokens == 0:
+            self.report.emit("empty_step", f"step {self.state.step}: {stats.why_skipped}; update skipped",
+                             step=self.state.step)
+            return False
         verdict = self.ctl.health.observe(self.state.step, stats.loss, stats.grad_norm)
         for warning in verdict.warnings:
             self.report.say(f"health: {warning}")
         if stats.skipped:
-            self.report.emit("skipped", f"step {self.state.step}: non-finite loss/gradients; update skipped "
+            self.report.emit("skipped", f"step {self.state.step}: {stats.why_skipped}; update skipped "
                              f"({self.ctl.health.nonfinite_total} so far)", step=self.state.step)
         if not self.sync.agree_on_rollback(verdict.rollback, self.state.step + 1):
             return False
@@ -257,18 +271,21 @@ class Trainer:
                     step_s: float) -> None:
         rank, plan = self.world.rank, self.plan
         samples = plan.shares[rank]
-        tokens = samples * self.cfg.data.seq_len
-        cluster_tokens = stats.tokens * plan.global_batch / max(samples, 1) if stats.local else stats.tokens
-        cluster_tok_s = cluster_tokens / max(step_s, 1e-9)
+        cluster_units = self._units * plan.global_batch / max(samples, 1) if stats.local else stats.tokens
+        units = dict(unit=self.task.unit, units=self._units, units_per_s=self._units / max(step_s, 1e-9),
+                     cluster_units_per_s=cluster_units / max(step_s, 1e-9))
+        if self.task.unit == "tokens":
+            units |= dict(tokens=units["units"], tokens_per_s=units["units_per_s"],
+                          cluster_tokens_per_s=units["cluster_units_per_s"])
         self.report.emit(
-            "step", step=self.state.step, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
-            tokens_per_s=tokens / max(step_s, 1e-9), cluster_tokens_per_s=cluster_tok_s, step_s=step_s,
+            "step", step=self.state.step, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm, step_s=step_s,
             compute_s=compute_s, sync_s=stats.sync_seconds, sync_bytes=stats.sync_bytes,
             data_wait_s=self.feed.take_wait_seconds(), shares=plan.shares, micro=plan.micro,
-            micro_batch=plan.micro[rank], accum=plan.accumulation(rank), samples=samples, tokens=tokens,
+            micro_batch=plan.micro[rank], accum=plan.accumulation(rank), samples=samples,
             global_batch=plan.global_batch, position=self.state.position, skipped=stats.skipped,
-            memory_active_bytes=memory.active, memory_peak_bytes=memory.peak, memory_limit_bytes=memory.limit)
-        self.report.progress.update(self.state.step, stats.loss, cluster_tok_s)
+            memory_active_bytes=memory.active, memory_peak_bytes=memory.peak, memory_limit_bytes=memory.limit,
+            **units)
+        self.report.progress.update(self.state.step, stats.loss, units["cluster_units_per_s"])
 
     def evaluate(self) -> bool:
         """Held-out loss, then the policies that read it. True when early stopping says stop."""
@@ -369,20 +386,6 @@ class Trainer:
         raise ConfigError(f"checkpoint {path}: its base differs from model.path {self.cfg.model.path}"
                           + (f" in {', '.join(differ)}" if differ else "") + "; resume with the base it was trained on")
 
-    def _datasets(self, base):
-        data = self.cfg.data
-        if data.source != "jsonl":
-            return build_datasets(data, self.cfg.train.seed, self.cfg.model.vocab_size)
-        if base is None:
-            raise ConfigError("data.source=jsonl: tokenizing needs the model's tokenizer; set model.path")
-        from ..data.hf_tokenizer import load_tokenizer
-        from ..data.instruct import build_jsonl_datasets
-
-        train_set, eval_set = build_jsonl_datasets(data, self.cfg.train.seed, load_tokenizer(base.path).tok)
-        if self.world.is_main:
-            self.report.say(train_set.stats.summary("train") + "; " + eval_set.stats.summary("eval"))
-        return train_set, eval_set
-
     def _check_same_base(self) -> None:
         """Every rank must fine-tune the very same base: a host with another snapshot of the
         model would train something else under the same name."""
@@ -392,7 +395,7 @@ class Trainer:
             raise ConfigError(f"model.path {self.cfg.model.path}: the base weights on {', '.join(odd)} differ from "
                               f"rank 0's ({self.world.host}); copy the same model directory to every host")
 
-    def _shrink_after_oom(self, error: BaseException, batches: list[TokenBatch]) -> list[TokenBatch]:
+    def _shrink_after_oom(self, error: BaseException, batches: list[Batch]) -> list[Batch]:
         self.engine.discard_gradients()
         self.engine.clear_cache()
         try:
@@ -402,10 +405,9 @@ class Trainer:
                                f"(control.min_batch={self.cfg.control.min_batch}): {stuck}") from None
         self.report.emit("oom", f"oom: step {self.state.step}: {error}; micro-batch {d.old} -> {d.new}, "
                          "retrying the step", step=self.state.step, old=d.old, new=d.new)
-        samples = TokenBatch.concat(batches)
-        return samples.split(micro_batches(len(samples), d.new))
+        return self.feed.maker.split(np.concatenate([b.indices for b in batches]), d.new)
 
-    def _banner(self, backend: str, n_windows: int) -> None:
+    def _banner(self, backend: str) -> None:
         cfg, w, plan = self.cfg, self.world, self.plan
         say = self.report.say
         say(f"mlxdist: {w.size} rank(s), engine {self.engine.describe()}"
@@ -413,7 +415,9 @@ class Trainer:
         strategy = self.sync.describe()
         if strategy:
             say(strategy)
-        say(f"{self.engine.model_summary}; data: {cfg.data.source}, {n_windows} windows of {cfg.data.seq_len}")
+        data = self.task.dataset
+        what = self.task.data_summary or f"{len(data)} samples, loss per {self.task.unit.rstrip('s')}"
+        say(f"{self.engine.model_summary}; data: {what}")
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         say(f"plan: global batch {plan.global_batch} = shares {plan.shares} in micro-batches {plan.micro}"
             f" on {', '.join(self.hosts)}; metrics on :{cfg.metrics.port or 'off'}; run dir {self.run_dir}")
