@@ -40,6 +40,17 @@ def status() -> str:
             "apt-get install libopenblas0-pthread")
 
 
+def late_note() -> str | None:
+    """Why the fast BLAS could not be preloaded when MLX came first (`mlxdist.fit`), or None."""
+    lib = find_openblas()
+    if sys.platform != "linux" or lib is None or lib in os.environ.get("LD_PRELOAD", "") \
+            or os.environ.get("MLXDIST_NO_OPENBLAS") or "mlx" not in sys.modules:
+        return None
+    return (f"BLAS: mlx was imported before mlxdist.fit(), too late to preload OpenBLAS, so the CPU backend "
+            f"uses the slow reference BLAS; import mlx inside your build/loss functions, or start with "
+            f"LD_PRELOAD={lib}")
+
+
 def ensure_openblas(argv: list[str] | None = None) -> None:
     """Re-exec with OpenBLAS preloaded, once, when it helps and the user has not opted out."""
     if sys.platform != "linux" or os.environ.get("MLXDIST_NO_OPENBLAS") or os.environ.get(_MARK):

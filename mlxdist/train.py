@@ -6,9 +6,13 @@ import argparse
 import os
 import sys
 import traceback
+from collections.abc import Sequence
+from pathlib import Path
 
 from .config import Config, ConfigError, load_config
 from .engine import ENGINES, prepare_process
+from .tasks import Task
+from .tasks.load import checked
 
 # Nothing above imports MLX: `main` may still re-exec the process with OpenBLAS preloaded.
 
@@ -16,7 +20,7 @@ from .engine import ENGINES, prepare_process
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m mlxdist.train",
-        description="Train a transformer on one machine or, under mpirun, on several.",
+        description="Train a model (the built-in LM, or task.factory: your own) on one machine or, under mpirun, on several.",
         epilog="Overrides: dotted keys, e.g. train.lr=3e-4 train.steps=1000 model.preset=small",
     )
     p.add_argument("--config", help="YAML config file (see configs/)")
@@ -36,15 +40,51 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return _run(cfg, args.engine, args.device)
+
+
+def fit(task: Task, config: str | Path | Config | None = None, overrides: Sequence[str] = (),
+        engine: str = "mlx", device: str = "auto") -> int:
+    """Train `task` with everything the CLI does; returns the exit code. Under
+    `mpirun -np N python my_train.py` every rank calls it. `config` is a YAML path or a
+    Config; `overrides` are `key=value` strings. Call it before anything imports MLX so
+    Linux can re-exec with a fast BLAS (it says so when it is too late)."""
+    from .blas import late_note
+
+    prepare_process(engine)
+    note = late_note() if engine == "mlx" else None
+    if note:
+        print(note, file=sys.stderr)
     try:
-        return train(cfg, args.engine, args.device)
+        cfg = config if isinstance(config, Config) else load_config(config, list(overrides))
+        if isinstance(config, Config) and overrides:
+            raise ConfigError("mlxdist.fit: give overrides with a YAML path (or None), not with a Config object")
+        if cfg.task.factory:
+            raise ConfigError(f"mlxdist.fit: the config sets task.factory ({cfg.task.factory}) and a task was "
+                              "passed; remove one")
+        task = checked(task, "mlxdist.fit(task)", _task_name(task))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return _run(cfg, engine, device, task)
+
+
+def _task_name(task: Task) -> str:
+    build = getattr(task, "build", None)
+    return f"{getattr(build, '__module__', '?')}:{getattr(build, '__qualname__', '?')}"
+
+
+def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int:
+    try:
+        return train(cfg, engine, device, task)
     except Exception as e:  # noqa: BLE001 - one line for the user, traceback on request
         expected = isinstance(e, (ConfigError, RuntimeError, ValueError, OSError))
         print(f"error: {e}" if expected else f"error: {type(e).__name__}: {e} "
               "(set MLXDIST_DEBUG=1 for the traceback)", file=sys.stderr)
         if os.environ.get("MLXDIST_DEBUG"):
             traceback.print_exc()
-        _abort_peers()
+        if not getattr(e, "all_ranks", False):  # raised by every rank together: nobody waits
+            _abort_peers()
         return 2 if isinstance(e, ConfigError) else 1
 
 
@@ -55,10 +95,10 @@ def _abort_peers() -> None:
         mpi.COMM_WORLD.Abort(1)
 
 
-def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
+def train(cfg: Config, engine_name: str = "mlx", device: str = "auto", task: Task | None = None) -> int:
     from .training.loop import Trainer  # imports MLX or torch: after the BLAS re-exec
 
-    return Trainer(cfg, engine_name, device).run()
+    return Trainer(cfg, engine_name, device, task).run()
 
 
 if __name__ == "__main__":

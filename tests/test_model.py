@@ -18,12 +18,11 @@ def test_preset_sizes_are_what_their_names_say():
 
 def _engine(**model):
     from mlxdist.engine.mlx_engine import MLXEngine
-    from mlxdist.models.build import build_mlx
 
     cfg = Config()
     for k, v in model.items():
         setattr(cfg.model, k, v)
-    return MLXEngine(build_mlx(cfg), cfg)
+    return MLXEngine(cfg)
 
 
 def _grads(engine, tokens):

@@ -38,6 +38,7 @@ class MLXEngine:
         self.compute_dtype = DTYPES[cfg.model.dtype]
         task = task or lm_model(cfg, args)
         self.task_loss, self.task_name = task.loss, task.name
+        mx.random.seed(cfg.train.seed)  # a model initialised without a seed still starts the same every run
         built = built_from_task(task.build(TaskContext("mlx", self.device, cfg.train.seed, cfg)), "mlx", None,
                                 task.name)
         self.model = built.module

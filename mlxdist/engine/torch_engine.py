@@ -169,6 +169,7 @@ class TorchEngine:
         task = task or lm_model(cfg, args)
         self.task_loss, self.task_name = task.loss, task.name
         ctx = TaskContext("torch", self.device, cfg.train.seed, cfg)
+        torch.manual_seed(cfg.train.seed)  # a model initialised without a seed still starts the same every run
         built = built_from_task(task.build(ctx), "torch", self.dev, task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
@@ -344,6 +345,8 @@ class TorchEngine:
         if self._micro_steps == 0:
             raise RuntimeError("TorchEngine.take_gradients() called before any micro_step()")
         out = LocalGradients([p.grad for p in self._params], float(self._loss_sum), self._tokens)
+        for p in self._params:  # the next micro_step starts a fresh sum; apply_gradients puts these back
+            p.grad = None
         self._reset_accumulators()
         return out
 
