@@ -94,9 +94,8 @@ def _rel(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 def check_task(task: Task, engine: str = "mlx", device: str = "auto", config: Config | None = None,
                split: Sequence[int] = (3, 5)) -> TaskCheck:
     """Run one batch whole and split; see `diagnose` for the verdict."""
-    from .engine import make_engine, prepare_process
+    from .engine import make_engine
 
-    prepare_process(engine)
     task = checked(task, "check_task(task)", _name(task))
     cfg = copy.deepcopy(config) if config is not None else Config()
     cfg.model.dtype = "float32"
@@ -125,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="torch engine: auto|cuda|mps|cpu")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     args = p.parse_intermixed_args(argv)
+    from .engine import prepare_process
+
+    prepare_process(args.engine)  # the Linux BLAS re-exec, before MLX loads
     try:
         cfg = load_config(args.config, args.overrides)
         result = check_task(resolve_task(cfg), args.engine, args.device, cfg)

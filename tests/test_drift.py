@@ -119,16 +119,16 @@ def test_ranks_that_initialise_differently_start_from_rank_0s_weights(tmp_path):
     broadcast before step 1, so the first drift check already finds every rank equal."""
     import subprocess
     import sys
+    from pathlib import Path
 
     from helpers import env, mpirun_path
 
-    def rank(seed: int) -> list[str]:  # train.seed also sets the init: each rank its own
-        return ["-np", "1", sys.executable, "-m", "mlxdist.train", *FAST, "train.steps=3",
-                "dist.sync_weights_every=1", "train.batch_size=2", f"train.seed={seed}", f"train.out_dir={tmp_path}"]
-
-    cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH", "-x", "OPENBLAS_NUM_THREADS",
-           *rank(1), ":", *rank(2)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    # Each rank draws its own initial weights (user_tasks.mlx_mlp(rank_init=True)); the data is the same.
+    cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", "-x",
+           "OPENBLAS_NUM_THREADS", sys.executable, "-m", "mlxdist.train", "metrics.port=0", "train.progress=false",
+           "train.eval_every=0", "task.factory=user_tasks:mlx_mlp", "task.args={rank_init: true}", "train.steps=3",
+           "dist.sync_weights_every=1", "train.batch_size=2", f"train.out_dir={tmp_path}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env(), cwd=Path(__file__).parent)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "done: step 3" in r.stderr
     for rk in (0, 1):

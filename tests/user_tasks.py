@@ -105,3 +105,37 @@ def rank_dependent_length() -> mlxdist.Task:
 
 def not_a_task():
     return {"build": None}
+
+
+class Repeats:
+    """Token sequences that repeat a random 4-token motif: learnable next-token prediction."""
+
+    def __init__(self, n: int, vocab: int = 32, length: int = 17, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        motifs = rng.integers(0, vocab, size=(n, 4))
+        self.tokens = np.tile(motifs, (1, length // 4 + 1))[:, :length].astype(np.int32)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int):
+        return self.tokens[i]
+
+
+def mlx_lm_llama(n: int = 512) -> mlxdist.Task:
+    """mlx-lm's own Llama, at a tiny size, used as it is."""
+
+    def build(ctx):
+        from mlx_lm.models import llama
+
+        return llama.Model(llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2,
+                                           intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-5,
+                                           vocab_size=32, num_key_value_heads=2))
+
+    def loss(model, tokens):
+        import mlx.nn as nn
+
+        return nn.losses.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], reduction="sum")
+
+    return mlxdist.Task(build=build, loss=loss, dataset=Repeats(n), eval_dataset=Repeats(64, seed=1),
+                        count=lambda b: b[:, 1:].size, unit="tokens")

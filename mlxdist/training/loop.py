@@ -325,6 +325,7 @@ class Trainer:
         state = None
         if self.world.is_main and loaded is not None:
             state = loaded.state
+            self._check_checkpoint_task(loaded.path, state.get("config", {}).get("task"))
             self._check_checkpoint_base(loaded.path, loaded.meta)
             self.engine.set_weights(loaded.weights)
             self.engine.set_optimizer_state(loaded.optimizer, loaded.meta.optimizer_step)
@@ -373,6 +374,14 @@ class Trainer:
                 self.report.emit(d.kind, d.text, **d.fields)
             elif d.text:
                 self.report.say(d.text)
+
+    def _check_checkpoint_task(self, path: Path, saved: dict | None) -> None:
+        mine = {"factory": self.cfg.task.factory, "args": self.cfg.task.args}
+        saved = {"factory": None, "args": {}} | (saved or {})
+        if saved != mine:
+            raise ConfigError(f"checkpoint {path}: trained task.factory={saved['factory'] or 'none (built-in LM)'} "
+                              f"with task.args={saved['args']}, this run has task.factory="
+                              f"{mine['factory'] or 'none (built-in LM)'} with {mine['args']}; resume with the same task")
 
     def _check_checkpoint_base(self, path: Path, meta: ckpt.CheckpointMeta) -> None:
         mine = self.engine.base_fingerprint
