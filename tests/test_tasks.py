@@ -111,6 +111,12 @@ def test_resume_of_a_task_run_equals_no_interruption(tmp_path):
     r = _train([*task, "train.steps=6", f"train.out_dir={tmp_path / 'split'}", "--resume", "auto"])
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr
     assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "split"), atol=1e-6)
+    r = subprocess.run([sys.executable, "-m", "mlxdist.generate", "--checkpoint", str(tmp_path / "whole"),
+                        "--prompt", "hi"], capture_output=True, text=True, env=env(), timeout=120)
+    assert r.returncode != 0 and "trained task.factory=user_tasks:mlx_masked, not the built-in" in r.stderr, r.stderr
+    r = _train(["task.factory=user_tasks:mlx_mlp", "train.steps=7", f"train.out_dir={tmp_path / 'split'}",
+                "--resume", "auto"])
+    assert r.returncode == 2 and "resume with the same task" in r.stderr.strip().splitlines()[-1], r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -202,3 +208,13 @@ def test_the_readme_examples_run_as_printed(tmp_path, engine):
     assert r.returncode == 0, r.stderr
     events = [json.loads(x) for x in (tmp_path / "logs" / "rank0.jsonl").read_text().splitlines()]
     assert [e["eval_loss"] for e in events if e["event"] == "eval"][-1] < 0.7 * np.log(2)  # from ln 2 (a coin) at the start
+
+
+def test_out_of_memory_recollates_the_same_samples_smaller(tmp_path):
+    """An OOM at step 2 shrinks the micro-batch (8 -> 6: micro-batches of 6 and 2) and redoes the step from the same dataset
+    indices (re-collated): the weights equal a run without the OOM."""
+    task = ["task.factory=user_tasks:mlx_masked", "train.batch_size=8", "train.steps=4"]
+    assert _train([*task, f"train.out_dir={tmp_path / 'plain'}"]).returncode == 0
+    r = _train([*task, f"train.out_dir={tmp_path / 'oom'}"], extra_env={"MLXDIST_INJECT_OOM": "0:2"})
+    assert r.returncode == 0 and "micro-batch 8 -> 6, retrying the step" in r.stderr, r.stderr
+    assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "oom"), atol=1e-5)
