@@ -17,7 +17,6 @@ from mlxdist.config import Config  # noqa: E402
 from mlxdist.engine.base import local_step  # noqa: E402
 from mlxdist.engine.torch_engine import (  # noqa: E402
     TorchEngine,
-    check_single_node,
     compile_enabled,
     select_device,
 )
@@ -270,20 +269,14 @@ def test_device_selection() -> None:
         select_device("tpu")
 
 
-def test_single_node_only() -> None:
-    check_single_node(1, "cpu")
-    with pytest.raises(RuntimeError, match=r"single-node.*--engine mlx"):
-        check_single_node(2, "cuda")
-    with pytest.raises(RuntimeError, match=r"MLX engine.*mpirun -np 3"):
-        check_single_node(3, "mps")
-
-
-def test_mpirun_launch_is_refused(monkeypatch) -> None:
+def test_torch_ranks_refuse_an_mlx_backend() -> None:
+    from mlxdist.config import ConfigError
     from mlxdist.engine import make_world
 
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="single-node"):
-        make_world("torch", _cfg(), "cpu")
+    cfg = _cfg()
+    cfg.dist.backend = "mlx-ring"
+    with pytest.raises(ConfigError, match="dist.backend=mlx-ring: the torch engine sums its gradients over mpi4py"):
+        make_world("torch", cfg, "cpu")
 
 
 def test_disable_compile(monkeypatch) -> None:

@@ -75,15 +75,6 @@ def launched_by_mpirun() -> bool:
     return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMIX_RANK" in os.environ
 
 
-def launcher_world_size() -> int:
-    """Ranks announced by an MPI or torchrun launcher, before MPI is touched; 1 when started by hand."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 1
-
-
 @dataclass
 class World:
     rank: int = 0

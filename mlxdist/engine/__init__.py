@@ -7,8 +7,8 @@ on that name itself.
 
 from __future__ import annotations
 
-from ..config import Config
-from ..dist.world import World, init_world, launcher_world_size, resolve_backend
+from ..config import Config, ConfigError
+from ..dist.world import World, init_world, resolve_backend
 from ..tasks import Task
 from .base import Engine, LocalGradients, StepStats, local_step
 
@@ -24,19 +24,21 @@ def prepare_process(name: str) -> None:
 
 
 def make_world(name: str, cfg: Config, device: str = "auto") -> World:
-    """The ranks of this job. The PyTorch engine is single-node and refuses an mpirun launch
-    before touching MPI; the MLX engine initialises MPI in the order its backend needs."""
+    """The ranks of this job. MPI is initialised in the order the backend needs; the torch
+    engine's data plane is mpi4py (numpy buffers), whatever device its tensors live on."""
     if name == "torch":
-        from .torch_engine import check_single_node
-
-        check_single_node(launcher_world_size(), device)
-        return World()
+        if cfg.dist.backend not in ("auto", "mpi4py"):
+            raise ConfigError(f"dist.backend={cfg.dist.backend}: the torch engine sums its gradients over mpi4py; "
+                              "use dist.backend=auto (or mpi4py)")
+        return init_world("mpi4py")
     return init_world(resolve_backend(cfg.dist.backend))
 
 
-def make_engine(name: str, cfg: Config, device: str = "auto", task: Task | None = None) -> Engine:
+def make_engine(name: str, cfg: Config, device: str = "auto", task: Task | None = None,
+                local_rank: int = 0) -> Engine:
     """Build the engine the CLI asked for, with the task's model (default: the built-in LM);
-    each import is lazy so neither framework is required."""
+    each import is lazy so neither framework is required. `local_rank` picks this rank's GPU
+    where a host has several (torch, `--device auto`)."""
     if name == "mlx":
         from .mlx_engine import MLXEngine
 
@@ -44,14 +46,18 @@ def make_engine(name: str, cfg: Config, device: str = "auto", task: Task | None 
     if name == "torch":
         from .torch_engine import TorchEngine
 
-        return TorchEngine(cfg, device, task=task)
+        return TorchEngine(cfg, device, task=task, local_rank=local_rank)
     raise ValueError(f"unknown engine '{name}' (use {' or '.join(ENGINES)})")
 
 
 def make_reducer(name: str, cfg: Config, world: World):
     """The data-plane sum of this engine's gradient arrays across ranks (`sync/grad.py`'s
     `all_sum` contract); the data-parallel strategy holds it and never asks which it is."""
-    if name == "mlx" and world.size > 1:
+    if world.size > 1 and name == "torch":
+        from ..sync.torch_grad import TorchGradSync
+
+        return TorchGradSync(world, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
+    if world.size > 1:
         from ..dist.collective import make_collective
         from ..sync.grad import GradSync
 

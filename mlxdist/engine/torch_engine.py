@@ -1,4 +1,4 @@
-"""Single-node PyTorch engine (CUDA, MPS or CPU) with the MLX engine's exact step contract.
+"""PyTorch engine (MPS, CUDA or CPU), one per rank, with the MLX engine's exact step contract.
 
 Why it exists: the same config and checkpoints can be trained on an NVIDIA box or a
 single Mac through torch, and compared number-for-number with the MLX engine. For that
@@ -65,8 +65,9 @@ def _mps_missing_reason() -> str:
     return "MPS is built but unavailable (needs macOS 12.3+ on Apple Silicon); use --device cpu"
 
 
-def select_device(requested: str) -> tuple[str, str]:
-    """(device, reason) for `--device`; auto prefers cuda > mps > cpu.
+def select_device(requested: str, local_rank: int = 0) -> tuple[str, str]:
+    """(device, reason) for `--device`; auto prefers cuda > mps > cpu. Under mpirun, auto
+    and `cuda` give each rank of a host its own GPU (cuda:LOCAL_RANK mod the GPU count).
 
     An explicit device that is missing is an error rather than a silent fallback: a run
     meant for a GPU that quietly lands on the CPU wastes hours before anyone notices.
@@ -74,13 +75,16 @@ def select_device(requested: str) -> tuple[str, str]:
     req = (requested or "auto").strip().lower()
     if req == "auto":
         if torch.cuda.is_available():
-            return "cuda", f"auto: CUDA GPU found ({torch.cuda.get_device_name(0)})"
+            dev = f"cuda:{local_rank % torch.cuda.device_count()}"
+            return dev, f"auto: CUDA GPU found ({torch.cuda.get_device_name(dev)})"
         if torch.backends.mps.is_available():
             return "mps", "auto: no CUDA GPU; Apple MPS available"
         return "cpu", "auto: no CUDA GPU or Apple MPS visible to torch"
     if req == "cuda" or req.startswith("cuda:"):
         if not torch.cuda.is_available():
             raise RuntimeError(f"--device {req}: {_cuda_missing_reason()}")
+        if req == "cuda":
+            req = f"cuda:{local_rank % torch.cuda.device_count()}"
         if ":" in req:
             idx = req.split(":", 1)[1]
             if not idx.isdigit() or int(idx) >= torch.cuda.device_count():
@@ -96,25 +100,6 @@ def select_device(requested: str) -> tuple[str, str]:
     if req == "cpu":
         return "cpu", "requested"
     raise RuntimeError(f"--device {requested}: unknown device (use auto, cuda, cuda:N, mps or cpu)")
-
-
-def check_single_node(world_size: int, device: str) -> None:
-    """Refuse multi-process launches: this engine has no gradient all-reduce, so N ranks
-    would silently train N unrelated models."""
-    if world_size <= 1:
-        return
-    msg = f"the PyTorch engine is single-node, but {world_size} processes were launched"
-    if device.startswith("mps"):
-        msg += (
-            "; to train across several Macs use the MLX engine: "
-            f"mpirun -np {world_size} --hostfile hosts python -m mlxdist.train --engine mlx"
-        )
-    else:
-        msg += (
-            "; run one process (python -m mlxdist.train --engine torch), or for several Macs "
-            f"use the MLX engine: mpirun -np {world_size} --hostfile hosts python -m mlxdist.train --engine mlx"
-        )
-    raise RuntimeError(msg)
 
 
 def compile_enabled(device: str) -> tuple[bool, str]:
@@ -150,10 +135,11 @@ class TorchEngine:
 
     name = "torch"
 
-    def __init__(self, cfg: Config, device: str = "auto", args: ModelArgs | None = None, task: Task | None = None):
+    def __init__(self, cfg: Config, device: str = "auto", args: ModelArgs | None = None, task: Task | None = None,
+                 local_rank: int = 0):
         """`task` defaults to the built-in LM of `cfg`; `args` overrides its preset's shape (tests)."""
         self.cfg = cfg
-        self.device, self.device_reason = select_device(device)
+        self.device, self.device_reason = select_device(device, local_rank)
         self.device_type = self.device.split(":")[0]
         self.dev = torch.device(self.device)
 
@@ -344,7 +330,10 @@ class TorchEngine:
     def take_gradients(self) -> LocalGradients:
         if self._micro_steps == 0:
             raise RuntimeError("TorchEngine.take_gradients() called before any micro_step()")
-        out = LocalGradients([p.grad for p in self._params], float(self._loss_sum), self._tokens)
+        # A parameter this rank's batches did not reach has no gradient: zeros, so every rank
+        # hands the same list to the all-reduce.
+        out = LocalGradients([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params],
+                             float(self._loss_sum), self._tokens)
         for p in self._params:  # the next micro_step starts a fresh sum; apply_gradients puts these back
             p.grad = None
         self._reset_accumulators()

@@ -74,7 +74,7 @@ class Trainer:
         self.task = task or resolve_task(cfg, self.report.say if w.is_main else None)
         progress.unit = self.task.unit
         check_same(w.allgather(fingerprint(self.task, cfg.task.args)), self.hosts, self.task.name)
-        self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device, self.task), w.rank,
+        self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device, self.task, w.local_rank), w.rank,
                                           lambda: self.state.step)
         self._check_same_base()
         self.sync: SyncStrategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, w), self.hosts)
@@ -96,13 +96,14 @@ class Trainer:
         self.self_check = SelfCheck(cfg.dist.sync_weights_every if self.sync.drift_check else 0)
         self._drift_restored_to: int | None = None
 
+        devices = w.allgather(self.engine.device)
         backend = resolve_backend(cfg.dist.backend) if w.size > 1 else "single"
         metrics.set_build(engine=self.engine.name, backend=backend, world_size=str(w.size))
         warning = metrics.serve(cfg.metrics.port + w.local_rank if cfg.metrics.port else 0, cfg.metrics.bind)
         if warning:
             self.report.say(warning)
         if w.is_main:
-            self._banner(backend)
+            self._banner(backend, devices)
         for note in getattr(self.engine, "notes", []):
             self.report.say(note)
 
@@ -416,11 +417,14 @@ class Trainer:
                          "retrying the step", step=self.state.step, old=d.old, new=d.new)
         return self.feed.maker.split(np.concatenate([b.indices for b in batches]), d.new)
 
-    def _banner(self, backend: str) -> None:
+    def _banner(self, backend: str, devices: list[str]) -> None:
         cfg, w, plan = self.cfg, self.world, self.plan
         say = self.report.say
         say(f"mlxdist: {w.size} rank(s), engine {self.engine.describe()}"
             + (f", dist backend {backend}" if w.size > 1 else ""))
+        if w.size > 1:
+            say("devices: " + ", ".join(f"rank {r} {d} ({h})" for r, (d, h) in enumerate(zip(devices, self.hosts,
+                                                                                              strict=True))))
         strategy = self.sync.describe()
         if strategy:
             say(strategy)

@@ -1,0 +1,69 @@
+"""PyTorch across ranks: the torch engine under mpirun (CPU ranks here; MPS and CUDA go through
+the same code, only the device differs). Gradients summed over mpi4py and divided by the
+global count, so unequal batches are exact, as on MLX."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import (
+    FAST,
+    assert_same_weights,
+    final_weights,
+    logged_steps,
+    run_train,
+    stop_with_sigterm_after,
+)
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.cluster
+
+TORCH = ["--engine", "torch", "--device", "cpu"]
+EXACT = [*FAST, "train.lr=2e-4", "train.grad_clip=0", "checkpoint.every=0", "dist.sync_weights_every=0"]
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("split, one", [("nodes={rank0: {batch_size: 3}, rank1: {batch_size: 5}}", 8),
+                                        ("nodes={rank0: {batch_size: 2}, rank1: {batch_size: 3}, "
+                                         "rank2: {batch_size: 3}}", 8)])
+def test_unequal_torch_ranks_equal_one_process(tmp_path, split, one):
+    ranks = split.count("rank")
+    r = run_train([*TORCH, *EXACT, "train.steps=4", f"train.batch_size={one}", f"train.out_dir={tmp_path / 'one'}"])
+    assert r.returncode == 0, r.stderr
+    r = run_train([*TORCH, *EXACT, "train.steps=4", split, f"train.out_dir={tmp_path / 'many'}"], np_=ranks)
+    assert r.returncode == 0, r.stderr
+    assert "devices: rank 0 cpu (" in r.stderr and f"rank {ranks - 1} cpu (" in r.stderr
+    assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "many"), atol=1e-5)
+
+
+def test_a_torch_user_task_is_exact_across_ranks(tmp_path):
+    task = [*TORCH, "task.factory=user_tasks:torch_mlp", "train.steps=5", "metrics.port=0", "train.progress=false",
+            "train.eval_every=0", "train.grad_clip=0", "checkpoint.every=0", "train.lr=1e-2"]
+    r = run_train([*task, "train.batch_size=8", f"train.out_dir={tmp_path / 'one'}"], cwd=HERE)
+    assert r.returncode == 0, r.stderr
+    r = run_train([*task, "nodes={rank0: {batch_size: 3}, rank1: {batch_size: 5}}", f"train.out_dir={tmp_path / 'two'}"],
+                  np_=2, cwd=HERE)
+    assert r.returncode == 0, r.stderr
+    assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "two"), atol=1e-5)
+
+
+def test_torch_two_rank_checkpoint_resumes_on_one_rank_and_on_mlx(tmp_path):
+    common = [*EXACT, "train.steps=12", "train.schedule=constant", "train.warmup_steps=0"]
+    ref, two = tmp_path / "ref", tmp_path / "two"
+    assert run_train([*TORCH, *common, "train.batch_size=8", f"train.out_dir={ref}"]).returncode == 0
+    stop_with_sigterm_after([*TORCH, *common, "train.batch_size=4", f"train.out_dir={two}"], two, 3, np_=2)
+    stopped = logged_steps(two)[-1]["step"]
+    assert 3 <= stopped < 12 and (two / "checkpoints" / f"step_{stopped:08d}").is_dir()
+    mlx_dir = tmp_path / "on_mlx"
+    r = run_train([*TORCH, *common, "train.batch_size=8", f"train.out_dir={two}", "--resume", "auto"])
+    assert r.returncode == 0 and "saved by 2 rank(s)" in r.stderr, r.stderr
+    assert_same_weights(final_weights(ref), final_weights(two), atol=1e-5)
+    r = run_train([*common, "train.batch_size=8", f"train.out_dir={mlx_dir}",
+                   f"--resume={two / 'checkpoints' / f'step_{stopped:08d}'}"])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr
+    # the MLX engine continues the torch run: same place in the data, close weights (float32 kernels differ)
+    steps = [json.loads(x) for x in (mlx_dir / "logs" / "rank0.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in steps if e["event"] == "step"][0] == stopped + 1
+    assert_same_weights(final_weights(ref), final_weights(mlx_dir), atol=1e-3)
