@@ -128,6 +128,8 @@ class DistConfig:
     sync_weights_every: int = field(default=50, metadata=_range(0))
     stall_timeout_s: float = field(default=120.0, metadata=_range(1.0))
     ring_connections: int = field(default=1, metadata=_range(1, 16))
+    # Torch engine: send gradient buckets while backward still runs (as DDP does).
+    overlap: bool = True
     # DiLoCo (dist.mode=diloco): H local steps, then an outer Nesterov step on averaged deltas.
     inner_steps: int = field(default=50, metadata=_range(1))
     outer_lr: float = field(default=0.7, metadata=_range(0.0, 10.0))

@@ -266,9 +266,12 @@ def _assert_saved_stop(out: Path, n: int, first: int = 3) -> None:
     assert step >= first and (out / "checkpoints" / f"step_{step:08d}" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("host", [2, 3])
-def test_lost_host_is_a_failure(cluster3: SimCluster, tmp_path: Path, host: int) -> None:
-    job = _mlxrun_job(cluster3, tmp_path)
+ENGINE_ARGS = {"mlx": (), "torch": ("--engine", "torch", "--device", "cpu")}
+
+
+@pytest.mark.parametrize("host, engine", [(2, "mlx"), (3, "mlx"), (2, "torch")])
+def test_lost_host_is_a_failure(cluster3: SimCluster, tmp_path: Path, host: int, engine: str) -> None:
+    job = _mlxrun_job(cluster3, tmp_path, *ENGINE_ARGS[engine])
     try:
         _until_steps(job, tmp_path)
         assert cluster3.kill(host) >= 1
@@ -281,8 +284,9 @@ def test_lost_host_is_a_failure(cluster3: SimCluster, tmp_path: Path, host: int)
     assert _leftovers(cluster3) == {}
 
 
-def test_ctrl_c_to_mlxrun_saves_at_one_step(cluster3: SimCluster, tmp_path: Path) -> None:
-    job = _mlxrun_job(cluster3, tmp_path)
+@pytest.mark.parametrize("engine", ["mlx", "torch"])
+def test_ctrl_c_to_mlxrun_saves_at_one_step(cluster3: SimCluster, tmp_path: Path, engine: str) -> None:
+    job = _mlxrun_job(cluster3, tmp_path, *ENGINE_ARGS[engine])
     try:
         _until_steps(job, tmp_path)
         job.proc.send_signal(signal.SIGINT)

@@ -67,3 +67,27 @@ def test_torch_two_rank_checkpoint_resumes_on_one_rank_and_on_mlx(tmp_path):
     steps = [json.loads(x) for x in (mlx_dir / "logs" / "rank0.jsonl").read_text().splitlines()]
     assert [e["step"] for e in steps if e["event"] == "step"][0] == stopped + 1
     assert_same_weights(final_weights(ref), final_weights(mlx_dir), atol=1e-3)
+
+
+def test_buckets_go_out_while_backward_runs_and_change_nothing(tmp_path):
+    """Overlap (DDP's way): with small buckets most are sent from the post-accumulate-grad
+    hooks, before backward has finished; the weights are bit-identical to sending after it."""
+    args = [*TORCH, *EXACT, "train.steps=4", "dist.bucket_mb=0.1", "nodes={rank0: {batch_size: 3}, rank1: {batch_size: 5}}"]
+    for overlap in ("true", "false"):
+        r = run_train([*args, f"dist.overlap={overlap}", f"train.out_dir={tmp_path / overlap}"], np_=2)
+        assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        steps = [json.loads(x) for x in (tmp_path / "true" / "logs" / f"rank{rank}.jsonl").read_text().splitlines()]
+        early = [e["sync_overlapped"] for e in steps if e["event"] == "step"]
+        assert len(early) == 4 and all(n >= 5 for n in early), early
+    assert_same_weights(final_weights(tmp_path / "true"), final_weights(tmp_path / "false"), atol=0.0)
+
+
+def test_torch_ranks_train_with_diloco(tmp_path):
+    r = run_train([*TORCH, *FAST, "train.steps=8", "dist.mode=diloco", "dist.inner_steps=4", "train.batch_size=4",
+                   "train.eval_every=4", f"train.out_dir={tmp_path}"], np_=2)
+    assert r.returncode == 0, r.stderr
+    assert "diloco: step 8: fragment 1/1 synced" in r.stderr
+    evals = [json.loads(x)["eval_loss"] for x in (tmp_path / "logs" / "rank0.jsonl").read_text().splitlines()
+             if '"event": "eval"' in x]
+    assert len(evals) == 2 and evals[1] < evals[0], evals

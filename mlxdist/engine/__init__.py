@@ -56,7 +56,7 @@ def make_reducer(name: str, cfg: Config, world: World):
     if world.size > 1 and name == "torch":
         from ..sync.torch_grad import TorchGradSync
 
-        return TorchGradSync(world, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
+        return TorchGradSync(world, cfg.dist.bucket_mb, cfg.dist.wire_dtype, cfg.dist.overlap)
     if world.size > 1:
         from ..dist.collective import make_collective
         from ..sync.grad import GradSync

@@ -40,6 +40,7 @@ class StepStats:
     skipped: bool  # True when loss or gradients were non-finite and no update was made
     sync_seconds: float = 0.0
     sync_bytes: int = 0
+    sync_overlapped: int = 0  # gradient buckets sent while backward still ran
     local: bool = False  # loss, tokens and norm are this rank's own (no exchange this step)
     why_skipped: str = "non-finite loss/gradients"
 

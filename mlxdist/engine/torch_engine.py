@@ -200,6 +200,7 @@ class TorchEngine:
                     f"{self.device_type} ({e}); use model.dtype=bfloat16"
                 ) from None
         self._scaler_ready = False
+        self._hooked, self._on_ready = False, None
         self.last_skip_overflow = False
         self._reset_accumulators()
 
@@ -336,6 +337,7 @@ class TorchEngine:
                              float(self._loss_sum), self._tokens)
         for p in self._params:  # the next micro_step starts a fresh sum; apply_gradients puts these back
             p.grad = None
+        self._on_ready = None
         self._reset_accumulators()
         return out
 
@@ -375,8 +377,33 @@ class TorchEngine:
 
     def discard_gradients(self) -> None:
         """Drop a half-accumulated step (after an out-of-memory), keeping weights and moments."""
+        self._on_ready = None  # the retry's early micro-batches must not look final
         self.opt.zero_grad(set_to_none=True)
         self._reset_accumulators()
+
+    # -- overlap: a sync strategy may start sending gradients while backward still runs ----
+    def backward_order(self) -> list[int]:
+        """Parameter indices (in `take_gradients` order) roughly as backward finishes them:
+        the reverse of the modules' registration order, as DDP assumes."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        order = [index[id(p)] for p in self.model.parameters() if id(p) in index][::-1]
+        return order + [i for i in range(len(self._params)) if i not in set(order)]
+
+    def gradient_sizes(self) -> list[int]:
+        return [p.numel() for p in self._params]
+
+    def gradient(self, i: int) -> torch.Tensor:
+        p = self._params[i]
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def on_gradient_ready(self, callback: Callable[[int], None] | None) -> None:
+        """`callback(i)` as soon as backward has finished parameter i's gradient (from then
+        until `take_gradients` or `discard_gradients`); None stops it."""
+        if not self._hooked:
+            for i, p in enumerate(self._params):
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_ready and self._on_ready(i))
+            self._hooked = True
+        self._on_ready = callback
 
     def clear_cache(self) -> None:
         if self.device_type == "cuda":

@@ -27,8 +27,11 @@ class DataParallel:
         grads, sync = self.reducer.all_sum(local.arrays)
         loss_sum, count = self.world.allreduce_sum([local.loss_sum, local.count])
         stats = engine.apply_gradients(grads, loss_sum, int(count), lr)
-        stats.sync_seconds, stats.sync_bytes = sync.seconds, sync.bytes
+        stats.sync_seconds, stats.sync_bytes, stats.sync_overlapped = sync.seconds, sync.bytes, sync.overlapped
         return stats
+
+    def before_last_backward(self, engine: Engine) -> None:
+        self.reducer.arm(engine)
 
     def meets(self, step: int) -> bool:
         return True  # they meet in the all-reduce anyway

@@ -44,6 +44,9 @@ class DiLoCoStrategy:
     def step(self, engine: Engine, lr: float) -> StepStats:
         return local_step(engine, lr)
 
+    def before_last_backward(self, engine: Engine) -> None:
+        pass  # inner steps exchange nothing
+
     def meets(self, step: int) -> bool:
         return step % self.meet_every == 0 or step >= self.steps
 

@@ -37,6 +37,9 @@ class GradSync:
         packed = plan_buckets([arrays[i].size for i in rest], self.bucket_elems)
         return [[i] for i in alone] + [[rest[j] for j in b] for b in packed]
 
+    def arm(self, engine) -> None:
+        """MLX builds the whole backward graph lazily: there is nothing to overlap with."""
+
     def all_sum(self, arrays: list[mx.array]) -> tuple[list[mx.array], SyncStats]:
         if self.collective.size == 1:
             return arrays, SyncStats()

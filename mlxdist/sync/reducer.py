@@ -12,6 +12,7 @@ from dataclasses import dataclass
 class SyncStats:
     seconds: float = 0.0
     bytes: int = 0
+    overlapped: int = 0  # buckets sent before backward ended
 
 
 def plan_buckets(sizes: list[int], bucket_elems: int) -> list[list[int]]:
@@ -32,6 +33,9 @@ def plan_buckets(sizes: list[int], bucket_elems: int) -> list[list[int]]:
 
 class Unreduced:
     """One rank, or an engine whose arrays stay its own: the sum over ranks is the array."""
+
+    def arm(self, engine) -> None:
+        """Before a step's last backward (reducers that overlap start sending then)."""
 
     def all_sum(self, arrays: list) -> tuple[list, SyncStats]:
         return arrays, SyncStats()

@@ -28,6 +28,10 @@ class SyncStrategy(Protocol):
     def step(self, engine: Engine, lr: float) -> StepStats:
         """Exchange what this strategy exchanges per step, then update the engine."""
 
+    def before_last_backward(self, engine: Engine) -> None:
+        """The step's last micro-batch comes next: a strategy may start its exchange while
+        that backward runs (torch data parallel sends buckets as gradients become final)."""
+
     def meets(self, step: int) -> bool:
         """Whether the ranks exchange control numbers after `step`."""
 

@@ -149,7 +149,9 @@ class Trainer:
         t0 = time.perf_counter()
         while True:
             try:
-                for batch in batches:
+                for i, batch in enumerate(batches):
+                    if i == len(batches) - 1:
+                        self.sync.before_last_backward(self.engine)
                     self.engine.micro_step(batch)
                 self._units = sum(b.count for b in batches)
                 return time.perf_counter() - t0
@@ -281,6 +283,7 @@ class Trainer:
         self.report.emit(
             "step", step=self.state.step, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm, step_s=step_s,
             compute_s=compute_s, sync_s=stats.sync_seconds, sync_bytes=stats.sync_bytes,
+            sync_overlapped=stats.sync_overlapped,
             data_wait_s=self.feed.take_wait_seconds(), shares=plan.shares, micro=plan.micro,
             micro_batch=plan.micro[rank], accum=plan.accumulation(rank), samples=samples,
             global_batch=plan.global_batch, position=self.state.position, skipped=stats.skipped,
