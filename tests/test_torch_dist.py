@@ -91,3 +91,19 @@ def test_torch_ranks_train_with_diloco(tmp_path):
     evals = [json.loads(x)["eval_loss"] for x in (tmp_path / "logs" / "rank0.jsonl").read_text().splitlines()
              if '"event": "eval"' in x]
     assert len(evals) == 2 and evals[1] < evals[0], evals
+
+
+def test_bench_torchddp_runs_both_side_by_side(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import env
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "mlxdist.bench", "torchddp", "--preset", "tiny", "--steps", "5",
+                        "--skip", "1", "--json", str(out)], capture_output=True, text=True, env=env(), timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(out.read_text())
+    assert got["ddp_step_s"] > 0 and got["ours_step_s"] > 0 and got["sync_bytes"] > 0
+    assert abs(got["ratio_ours_to_ddp"] - got["ours_step_s"] / got["ddp_step_s"]) < 1e-9
+    assert "ours / DDP = " in r.stdout
