@@ -131,3 +131,12 @@ def test_lora_on_smollm2_is_exact_across_torch_ranks(tmp_path):
     one = final_weights(tmp_path / "one")
     assert one and all(k.endswith(("lora_a", "lora_b")) for k in one)
     assert_same_weights(one, final_weights(tmp_path / "two"), atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", ["true", "false"])
+def test_bf16_on_the_wire_stays_close(tmp_path, overlap):
+    args = [*TORCH, *EXACT, "train.steps=4", "dist.bucket_mb=0.5", f"dist.overlap={overlap}"]
+    assert run_train([*args, "train.batch_size=8", f"train.out_dir={tmp_path / 'one'}"]).returncode == 0
+    r = run_train([*args, "train.batch_size=4", "dist.wire_dtype=bfloat16", f"train.out_dir={tmp_path / 'two'}"], np_=2)
+    assert r.returncode == 0, r.stderr
+    assert_same_weights(final_weights(tmp_path / "one"), final_weights(tmp_path / "two"), atol=5e-3)
