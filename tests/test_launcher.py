@@ -201,3 +201,39 @@ def test_cleanup_kills_the_jobs_leftovers_and_nothing_else():
         for p in (mine, other):
             p.kill()
             p.wait()
+
+
+def test_preflight_names_a_host_with_other_versions_and_a_pair_that_cannot_connect():
+    import json
+
+    from mlxdist.launch import preflight
+    from mlxdist.launch.hosts import LaunchError, Remote, Reply
+
+    reports = {
+        "studio": {"python": "3.12.4", "packages": {"mlx": "0.32.3", "mlxdist": "0.1.0"}, "reach": {"macbook": None}},
+        "macbook": {"python": "3.12.7", "packages": {"mlx": "0.31.0", "mlxdist": "0.1.0"},
+                    "reach": {"studio": "No route to host"}},
+    }
+
+    class Canned(Remote):  # stands in for ssh: each host answers with its report
+        def run(self, host, script, timeout):
+            return Reply(0, json.dumps(reports[host]) + "\n")
+
+    found = preflight.preflight(["studio", "macbook"], Canned(), "/env/bin/python", "/src")
+    assert "host 'macbook' has mlx 0.31.0, host 'studio' has 0.32.3; install the same versions" in found[0]
+    assert "note: host 'macbook' runs Python 3.12.7, host 'studio' 3.12.4" in found
+    assert "host 'macbook' cannot reach host 'studio' (No route to host)" in " ".join(found)
+    with pytest.raises(LaunchError, match=r"^hostfile h: host 'macbook' has mlx 0\.31\.0.*\(and 1 more\)$"):
+        preflight.check(["studio", "macbook"], Canned(), "/env/bin/python", "/src", "hostfile h")
+    reports["macbook"] = {"python": "3.12.4", "packages": {"mlx": "0.32.3", "mlxdist": "0.1.0"}, "reach": {}}
+    assert preflight.check(["studio", "macbook"], Canned(), "/env/bin/python", "/src", "hostfile h") == []
+
+
+def test_preflight_on_this_machine_passes_and_a_missing_python_is_named(tmp_path):
+    from mlxdist.launch import preflight
+    from mlxdist.launch.hosts import Remote
+
+    local = Remote(local_names=frozenset({"localhost"}))
+    assert preflight.preflight(["localhost"], local, sys.executable, str(ROOT)) == []
+    found = preflight.preflight(["localhost"], local, str(tmp_path / "nope" / "python"), str(ROOT))
+    assert len(found) == 1 and "does not run there" in found[0] and "same path" in found[0]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, mpirun_path, namespace_cluster
+from helpers import ROOT, env, mpirun_path, namespace_cluster
 
 from mlxdist.rig.simcluster import SimCluster
 
@@ -282,6 +282,23 @@ def test_lost_host_is_a_failure(cluster3: SimCluster, tmp_path: Path, host: int,
     assert code == 4, f"exit {code}:\n{out[-3000:]}"
     assert "mlxrun: job failed: a host was lost" in out and "done: step" not in out
     assert _leftovers(cluster3) == {}
+
+
+def test_preflight_names_two_hosts_that_cannot_reach_each_other(cluster3: SimCluster, tmp_path: Path) -> None:
+    """Host 3's cable is out: the launching machine still reaches it through the stand-in (as
+    over another interface), but hosts 1 and 2 cannot. mlxrun says so before mpirun hangs."""
+    cluster3.cut(3)
+    try:
+        r = subprocess.run([*MLXRUN, "--simcluster", str(cluster3.state_dir), "--dry-run", "--",
+                            *_train_args(tmp_path)], capture_output=True, text=True, timeout=120, env=env())
+    finally:
+        cluster3.heal(3)
+    assert r.returncode == 2, r.stdout + r.stderr
+    ip3 = cluster3.ip(3)
+    assert f"host '{cluster3.ip(1)}' cannot reach host '{ip3}'" in r.stderr, r.stderr
+    r = subprocess.run([*MLXRUN, "--simcluster", str(cluster3.state_dir), "--dry-run", "--", *_train_args(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env=env())
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("engine", ["mlx", "torch"])

@@ -18,6 +18,7 @@ import sys
 
 from ..config import ConfigError, config_from_args
 from ..markers import Exit
+from . import preflight
 from .elastic import ElasticSettings
 from .elastic_run import ElasticRun, ProbeTarget
 from .hosts import LaunchError, check_host
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rejoin", action="store_true",
                    help="--elastic: take a dropped host back at the next checkpoint once it answers again")
     p.add_argument("--dry-run", action="store_true", help="check hosts and print the command only")
-    p.add_argument("--no-check", action="store_true", help="skip the host reachability check")
+    p.add_argument("--no-check", action="store_true", help="skip the host checks (reachability, versions, host-to-host reach)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then python -m mlxdist.train arguments")
     args = p.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                 problem = check_host(h.name, remote)
                 if problem:
                     raise LaunchError(f"{where}: {problem}")
+            launch.notes += preflight.check([h.name for h in launch.hosts], launch.remote(), args.python,
+                                            os.getcwd(), where)
         cmd = launch.command(train_args, python=args.python, tcp_links=args.tcp_links, env=args.env, tag=tag)
         elastic = _elastic_run(args, launch, train_args) if args.elastic else None
     except (LaunchError, FileNotFoundError) as e:

@@ -92,7 +92,8 @@ class TorchGradSync:
         for bucket, buf in zip(self._plan, summed, strict=True):
             if buf.dtype == np.uint16:  # bfloat16 bits -> fp32 exactly
                 buf = (buf.astype(np.uint32) << 16).view(np.float32)
-            total = torch.from_numpy(np.array(buf, np.float32)).to(tensors[bucket[0]].device)
+            # No copy on a CPU rank: the update reads these before the next step's sum reuses the buffer.
+            total = torch.from_numpy(buf).to(tensors[bucket[0]].device)
             offset = 0
             for i in bucket:
                 n = tensors[i].numel()
