@@ -220,13 +220,13 @@ def test_preflight_names_a_host_with_other_versions_and_a_pair_that_cannot_conne
             return Reply(0, json.dumps(reports[host]) + "\n")
 
     found = preflight.preflight(["studio", "macbook"], Canned(), "/env/bin/python", "/src")
-    assert "host 'macbook' has mlx 0.31.0, host 'studio' has 0.32.3; install the same versions" in found[0]
-    assert "note: host 'macbook' runs Python 3.12.7, host 'studio' 3.12.4" in found
-    assert "host 'macbook' cannot reach host 'studio' (No route to host)" in " ".join(found)
-    with pytest.raises(LaunchError, match=r"^hostfile h: host 'macbook' has mlx 0\.31\.0.*\(and 1 more\)$"):
+    assert "note: host 'macbook' has mlx 0.31.0, host 'studio' has 0.32.3; install the same versions" in found[0]
+    assert any(f.startswith("note: host 'macbook' runs Python 3.12.7, host 'studio' 3.12.4") for f in found)
+    with pytest.raises(LaunchError, match=r"^hostfile h: host 'macbook' cannot reach host 'studio' \(No route to host\)"):
         preflight.check(["studio", "macbook"], Canned(), "/env/bin/python", "/src", "hostfile h")
-    reports["macbook"] = {"python": "3.12.4", "packages": {"mlx": "0.32.3", "mlxdist": "0.1.0"}, "reach": {}}
-    assert preflight.check(["studio", "macbook"], Canned(), "/env/bin/python", "/src", "hostfile h") == []
+    reports["macbook"]["reach"] = {}
+    notes = preflight.check(["studio", "macbook"], Canned(), "/env/bin/python", "/src", "hostfile h")
+    assert [n.split(",")[0] for n in notes] == ["host 'macbook' has mlx 0.31.0", "host 'macbook' runs Python 3.12.7"]
 
 
 def test_preflight_on_this_machine_passes_and_a_missing_python_is_named(tmp_path):

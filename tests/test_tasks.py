@@ -218,3 +218,18 @@ def test_out_of_memory_recollates_the_same_samples_smaller(tmp_path):
     r = _train([*task, f"train.out_dir={tmp_path / 'oom'}"], extra_env={"MLXDIST_INJECT_OOM": "0:2"})
     assert r.returncode == 0 and "micro-batch 8 -> 6, retrying the step" in r.stderr, r.stderr
     assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "oom"), atol=1e-5)
+
+
+@pytest.mark.cluster
+def test_ranks_reading_different_built_in_data_stop_naming_the_rank(tmp_path):
+    """The same check covers the built-in data: two ranks started with different data (mpirun's
+    `:` syntax, here a different synthetic seed) stop before training, naming rank 1."""
+    def rank(seed: int) -> list[str]:
+        return ["-np", "1", sys.executable, "-m", "mlxdist.train", "data.source=synthetic", "data.seq_len=16",
+                f"train.seed={seed}", "train.steps=2", "metrics.port=0", f"train.out_dir={tmp_path}"]
+
+    cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH", *rank(1), ":", *rank(2)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    assert r.returncode == 2, r.stderr
+    assert "task built-in LM: the dataset's samples on rank 1 (" in r.stderr and "differ from rank 0's" in r.stderr
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,11 +1,11 @@
 """Before mpirun: every host runs the job's Python over the path mpirun's daemons take (ssh,
 or the rig's stand-in), reports its package versions, and tries to reach every other host.
 
-What it catches, each as one line naming the host (or the pair): an environment missing at
-the job's Python path, a host with other mlx / mpi4py / Open MPI / numpy / torch / mlxdist
-versions (ranks that cannot talk, or train something else), and two hosts that cannot reach
-each other though each answers the launching Mac (a Wi-Fi client isolation, a firewall, a
-cable to one switch only): mpirun would otherwise hang in its wire-up.
+What stops the launch, one line naming the host or the pair: an environment missing at the
+job's Python path, and two hosts that cannot reach each other though each answers the
+launching Mac (Wi-Fi client isolation, a firewall, a cable to one switch only), where mpirun
+would otherwise hang in its wire-up. What it warns of, naming the hosts: other mlx / mpi4py /
+Open MPI / numpy / torch / mlxdist / Python versions on some host.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ print(json.dumps({"python": platform.python_version(), "packages": {p: version(p
 
 
 def preflight(hosts: list[str], remote: Remote, python: str, cwd: str, timeout: float = 30.0) -> list[str]:
-    """Problems found, one line each (empty: go ahead). Notes (a Python patch version that
-    differs) come back prefixed with 'note: '."""
+    """Problems found, one line each (empty: go ahead). Warnings (versions that differ: the run
+    may still work, and the start-up fingerprints catch a model or data that differs) come
+    back prefixed with 'note: '; everything else stops the launch."""
     script = f"cd {shlex.quote(cwd)} && {shlex.quote(python)} -c {shlex.quote(PROBE)} " + " ".join(
         shlex.quote(h) for h in hosts)
     with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
@@ -67,14 +68,12 @@ def preflight(hosts: list[str], remote: Remote, python: str, cwd: str, timeout: 
         for pkg in PACKAGES:
             mine, theirs = rep["packages"].get(pkg), ref["packages"].get(pkg)
             if mine != theirs:
-                problems.append(f"host '{h}' has {pkg} {mine or '(not installed)'}, host '{ref_host}' has "
+                problems.append(f"note: host '{h}' has {pkg} {mine or '(not installed)'}, host '{ref_host}' has "
                                 f"{theirs or '(not installed)'}; install the same versions on every host "
                                 "(pip install -e . in the same checkout)")
-        if rep["python"].rsplit(".", 1)[0] != ref["python"].rsplit(".", 1)[0]:
-            problems.append(f"host '{h}' runs Python {rep['python']}, host '{ref_host}' {ref['python']}; use the "
-                            "same Python version on every host")
-        elif rep["python"] != ref["python"]:
-            problems.append(f"note: host '{h}' runs Python {rep['python']}, host '{ref_host}' {ref['python']}")
+        if rep["python"] != ref["python"]:
+            problems.append(f"note: host '{h}' runs Python {rep['python']}, host '{ref_host}' {ref['python']}; the "
+                            "built-in corpus differs between Python versions")
         for other, err in rep["reach"].items():
             if err is not None and other != h:
                 problems.append(f"host '{h}' cannot reach host '{other}' ({err}); both must be on one network that "
