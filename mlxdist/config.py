@@ -92,7 +92,7 @@ class TrainConfig:
     eps: float = field(default=1e-8, metadata=_range(0.0, 1.0))
     grad_clip: float = field(default=1.0, metadata=_range(0.0))
     eval_every: int = field(default=100, metadata=_range(0))
-    eval_batches: int = field(default=4, metadata=_range(1))
+    eval_batches: int = field(default=4, metadata=_range(0))  # 0: the whole eval set, each sample once
     log_every: int = field(default=10, metadata=_range(1))
     early_stop_patience: int = field(default=0, metadata=_range(0))
     early_stop_min_delta: float = field(default=0.0, metadata=_range(0.0))

@@ -21,7 +21,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m mlxdist.train",
         description="Train a model (the built-in LM, or task.factory: your own) on one machine or, under mpirun, on several.",
-        epilog="Overrides: dotted keys, e.g. train.lr=3e-4 train.steps=1000 model.preset=small",
+        epilog="Overrides: dotted keys, e.g. train.lr=3e-4 train.steps=1000 model.preset=small. "
+               "Your own model: task.factory=package.module:callable (returns an mlxdist.Task; task.args=... "
+               "its keyword arguments), or mlxdist.fit(task) from Python; check it first with "
+               "python -m mlxdist.check_task CONFIG.",
     )
     p.add_argument("--config", help="YAML config file (see configs/)")
     p.add_argument("--engine", choices=ENGINES, default="mlx")

@@ -233,3 +233,25 @@ def test_ranks_reading_different_built_in_data_stop_naming_the_rank(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "task built-in LM: the dataset's samples on rank 1 (" in r.stderr and "differ from rank 0's" in r.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_eval_batches_0_scores_the_whole_eval_set_once_and_a_raising_factory_exits_2(tmp_path):
+    r = _train(["task.factory=user_tasks:mlx_mlp", "train.steps=1", "train.batch_size=24", "train.eval_every=1",
+                "train.eval_batches=0", f"train.out_dir={tmp_path / 'ev'}"])
+    assert r.returncode == 0, r.stderr
+    import mlx.core as mx
+
+    task = _user_task("mlx_mlp")
+    from mlxdist.config import load_config
+    from mlxdist.engine.mlx_engine import MLXEngine
+    from mlxdist.state import checkpoint as ckpt
+
+    engine = MLXEngine(load_config(None, []), task)  # the same model, the saved weights
+    engine.set_weights(ckpt.load_latest(tmp_path / "ev" / "checkpoints").weights)
+    whole = task.make_batch(task.eval_dataset, range(len(task.eval_dataset)))  # 64 samples: 24 + 24 + 16
+    loss, count = engine.eval_loss(whole)
+    logged = [json.loads(x) for x in (tmp_path / "ev" / "logs" / "rank0.jsonl").read_text().splitlines()]
+    assert count == 64 and mx.isclose(mx.array([e["eval_loss"] for e in logged if e["event"] == "eval"][-1]),
+                                      mx.array(loss / count), rtol=1e-5).item()
+    r = _train(["task.factory=user_tasks:mlx_mlp", "task.args={n: -1}", "train.steps=1", f"train.out_dir={tmp_path}"])
+    assert r.returncode == 2 and "task.factory 'user_tasks:mlx_mlp' raised ValueError" in r.stderr, r.stderr

@@ -49,6 +49,8 @@ def task_from_factory(spec: str, args: dict[str, Any]) -> Task:
         task = factory(**args)
     except TypeError as e:
         raise TaskError(f"task.factory '{spec}': calling it with task.args {sorted(args)} failed: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's factory failed: say which, exit 2
+        raise TaskError(f"task.factory '{spec}' raised {type(e).__name__}: {e}") from None
     return checked(task, f"task.factory '{spec}'", spec)
 
 

@@ -25,10 +25,11 @@ class Evaluator:
         data = self.task.eval_dataset
         loss_sum = units = 0.0
         b, n = self.cfg.batch_size, len(data)
-        for i in range(self.world.rank, self.cfg.eval_batches, self.world.size):
-            idx = [(i * b + j) % n for j in range(b)]
+        batches = self.cfg.eval_batches or -(-n // b)  # 0: the whole set, each sample once
+        for i in range(self.world.rank, batches, self.world.size):
+            idx = [(i * b + j) % n for j in range(b)] if self.cfg.eval_batches else list(range(i * b, min(n, i * b + b)))
             offset = 0
-            for size in micro_batches(b, micro):
+            for size in micro_batches(len(idx), micro):
                 ls, count = engine.eval_loss(self.task.make_batch(data, idx[offset : offset + size]))
                 loss_sum, units, offset = loss_sum + ls, units + count, offset + size
         loss_sum, units = self.world.allreduce_sum([loss_sum, units])
