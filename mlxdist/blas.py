@@ -304,6 +304,18 @@ def status() -> str:
     return describe(sys.platform, machine(), os.environ, current_choice(), mapped, cores(), core)
 
 
+def late_note() -> str | None:
+    """Why the fast BLAS could not be preloaded when MLX came first (`mlxdist.fit`), or None."""
+    if sys.platform != "linux" or "mlx" not in sys.modules or active_preload(os.environ.get("LD_PRELOAD", "")):
+        return None
+    choice = current_choice()
+    if choice.kind not in ("openblas", "mkl"):
+        return None
+    return (f"BLAS: mlx was imported before mlxdist.fit(), too late to preload {choice.kind} ({choice.path}), so "
+            "the CPU backend uses the slow reference BLAS; import mlx inside your build/loss functions, or start "
+            f"with LD_PRELOAD={choice.path}")
+
+
 def ensure_blas(argv: list[str] | None = None) -> None:
     """Re-exec once with the chosen BLAS preloaded and thread counts set, when that changes
     anything; call it before anything imports MLX (or mpi4py)."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,9 @@ import yaml
 
 class ConfigError(ValueError):
     """A one-line, user-facing problem with the configuration."""
+
+
+_RANK_KEY = re.compile(r"rank\d+")
 
 
 def _range(lo: float | None = None, hi: float | None = None, choices: tuple = ()) -> dict:
@@ -123,6 +128,8 @@ class DistConfig:
     sync_weights_every: int = field(default=50, metadata=_range(0))
     stall_timeout_s: float = field(default=120.0, metadata=_range(1.0))
     ring_connections: int = field(default=1, metadata=_range(1, 16))
+    # Torch engine: send gradient buckets while backward still runs (as DDP does).
+    overlap: bool = True
     # DiLoCo (dist.mode=diloco): H local steps, then an outer Nesterov step on averaged deltas.
     inner_steps: int = field(default=50, metadata=_range(1))
     outer_lr: float = field(default=0.7, metadata=_range(0.0, 10.0))
@@ -155,6 +162,13 @@ class ControlConfig:
 
 
 @dataclass
+class TaskConfig:
+    # "package.module:callable" returning an mlxdist.Task; unset: the built-in LM (model.*, data.*).
+    factory: str | None = None
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the factory
+
+
+@dataclass
 class MetricsConfig:
     port: int = field(default=9400, metadata=_range(0, 65535))
     bind: str = "0.0.0.0"
@@ -170,24 +184,56 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def node_key(self, host: str, rank: int | None = None) -> str | None:
+        """The `nodes:` key that applies to this rank, or None (then `train.batch_size`).
+
+        In order: `rankN`; the host's name, or its short name (before the first dot, so
+        `Studio.local` is `studio`), exactly, then as a glob; then the words of the short
+        name (a Mac's default name is `Owners-Model`: `macbook` or `macbook*` matches
+        `Johns-MacBook-Pro`, `mac-mini` matches `Johns-Mac-mini`), exactly, then as a glob;
+        then `default`. Case never matters (macOS capitalises host names; people write keys
+        in lower case). Within a step the first key in file order wins."""
+        keys = {k.lower(): k for k in self.nodes}
+        if rank is not None and f"rank{rank}" in keys:
+            return keys[f"rank{rank}"]
+        full = host.lower()
+        short = full.split(".")[0]
+        words = short.split("-")
+        runs = ["-".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)]
+        for names, glob in (((full, short), False), ((full, short), True), (runs, False), (runs, True)):
+            for low, key in keys.items():
+                if low == "default" or _RANK_KEY.fullmatch(low):
+                    continue
+                if any(fnmatch.fnmatchcase(n, low) if glob else n == low for n in names):
+                    return key
+        return keys.get("default")
+
     def node_for(self, host: str, rank: int | None = None) -> NodeConfig:
-        """Settings of the `nodes:` entry for this rank: `rankN`, then host (exact, short name,
-        glob), then `default`. `rankN` keys tell apart several ranks sharing one host."""
-        short = host.split(".")[0]
-        for key in ((f"rank{rank}",) if rank is not None else ()) + (host, short):
-            if key in self.nodes:
-                return self.nodes[key]
-        for pattern, node in self.nodes.items():
-            if fnmatch.fnmatch(host, pattern) or fnmatch.fnmatch(short, pattern):
-                return node
-        if "default" in self.nodes:
-            return self.nodes["default"]
-        return NodeConfig(batch_size=self.train.batch_size)
+        """Settings of the `nodes:` entry for this rank (`node_key`); with none,
+        `train.batch_size`."""
+        key = self.node_key(host, rank)
+        return self.nodes[key] if key is not None else NodeConfig(batch_size=self.train.batch_size)
+
+    def unmatched_nodes_warning(self, hosts: Sequence[str]) -> str | None:
+        """With `nodes:` set, the warning to print at start when a host (of `hosts`, one per
+        rank, in rank order) matches no entry and falls back to `train.batch_size`; None
+        when every host matched (or `nodes:` is empty)."""
+        if not self.nodes:
+            return None
+        missed = [h for r, h in enumerate(hosts) if self.node_key(h, r) is None]
+        if not missed:
+            return None
+        names = ", ".join(f"'{h}'" for h in dict.fromkeys(missed))
+        return (f"nodes: host {names} matched no entry ({', '.join(self.nodes)}); "
+                f"{'it runs' if len(set(missed)) == 1 else 'they run'} with train.batch_size="
+                f"{self.train.batch_size}. Add a key: its short name, a word of it, a glob such as "
+                "'macbook*', or 'default'")
 
 
 def _type_name(tp: Any) -> str:
@@ -195,6 +241,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, where: str, warnings: list[str] | None = None) -> Any:
+    if tp is Any:
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -316,6 +364,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _merge(data, parse_override(text))
     warnings: list[str] = []
     try:
+        _check_task_keys(data)
         cfg = _build(Config, data, "", warnings)
         validate(cfg)
     except ConfigError as e:
@@ -323,6 +372,51 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{src}: {e}") from None
     cfg.warnings = warnings  # logged once by the trainer
     return cfg
+
+
+def config_from_args(argv: list[str]) -> Config:
+    """The Config that `python -m mlxdist.train ARGV` runs with, for tools that start the
+    trainer (`launch/mlxrun --elastic`): `--config FILE`, `--resume X` (checkpoint.resume) and
+    key=value overrides, on either side of the options. The trainer's other options
+    (`--engine torch`, `--device cpu`) are passed over with their values."""
+    path = resume = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if arg == "--":
+            overrides += argv[i:]
+            break
+        if not arg.startswith("-"):
+            overrides.append(arg)
+            continue
+        flag, eq, value = arg.partition("=")
+        ours = next((o for o in ("--config", "--resume") if len(flag) > 2 and o.startswith(flag)), None)
+        if not eq and i < len(argv) and not argv[i].startswith("-") and (ours or "=" not in argv[i]):
+            value, i = argv[i], i + 1  # the option's value
+        elif ours and not eq:
+            raise ConfigError(f"{ours}: expected a value")
+        if ours == "--config":
+            path = value
+        elif ours == "--resume":
+            resume = value
+    return load_config(path, overrides + ([f"checkpoint.resume={resume}"] if resume else []))
+
+
+# A task brings its own model and data: these keys would be silently ignored next to it.
+_BUILTIN_LM_KEYS = ("model.preset", "model.path", "model.quantize", "finetune", "data.source", "data.path")
+
+
+def _check_task_keys(data: dict) -> None:
+    task = data.get("task")
+    if not isinstance(task, dict) or not task.get("factory"):
+        return
+    for key in _BUILTIN_LM_KEYS:
+        section, _, name = key.partition(".")
+        node = data.get(section)
+        if isinstance(node, dict) and (not name or name in node) and (name or node):
+            raise ConfigError(f"task.factory and {key} are both set: a task brings its own model and data; "
+                              f"remove {key} (or task.factory to train the built-in LM)")
 
 
 def validate(cfg: Config) -> None:

@@ -38,7 +38,12 @@ def _load(source: Path, adapter: str | None) -> tuple[Config, dict | None]:
         loaded = ckpt.load_latest(root, warn=lambda m: print(m, file=sys.stderr))
         if loaded is None:
             raise ckpt.CheckpointError(f"no valid checkpoint under {source}")
-    return config_from_dict(loaded.state["config"]), loaded.weights
+    cfg = config_from_dict(loaded.state["config"])
+    if cfg.task.factory:
+        raise ckpt.CheckpointError(f"{loaded.path}: trained task.factory={cfg.task.factory}, not the built-in "
+                                   "language model; load its weights (model.safetensors.zst, by parameter name) "
+                                   "into your model to use it")
+    return cfg, loaded.weights
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import IntEnum
 
 # Printed by world.abort on the rank that ends the job (stall watchdog, fatal error).
@@ -26,6 +28,10 @@ READY = "mlxdist-ready:"
 STEP = "mlxdist-step:"
 CHECKPOINT = "mlxdist-checkpoint:"
 SUPERVISED_ENV = "MLXDIST_SUPERVISED"
+# Passed by `launch/mlxrun --elastic` to every rank of a restarted job, so the counts survive
+# in its metrics (RestartCounts).
+RESTARTS_ENV = "MLXDIST_RESTARTS"
+LOST_STEPS_ENV = "MLXDIST_LOST_STEPS"
 
 # Forwarded to every rank by Open MPI's mpirun (prterun forwards SIGUSR1/SIGUSR2 and
 # kills the job on SIGINT/SIGTERM), so it is the one stop request that survives the trip.
@@ -42,6 +48,28 @@ class Exit(IntEnum):
     HOST_LOST = 4  # a host (its daemon or its ranks) disappeared mid-run
     GAVE_UP = 5  # --elastic: fewer than --min-hosts hosts answer, or --max-restarts used up
     KILLED = 130  # a second Ctrl-C: ended at once, nothing saved since the last checkpoint
+
+
+@dataclass(frozen=True)
+class RestartCounts:
+    """The supervisor's counts as a rank sees them (metrics `mlxdist_restarts_total`,
+    `mlxdist_lost_steps_total`): how often this job was restarted and how many steps were redone."""
+
+    restarts: int = 0
+    lost_steps: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> RestartCounts:
+        def num(name: str) -> int:
+            try:
+                return max(0, int(env.get(name, "0")))
+            except ValueError:
+                return 0
+
+        return cls(num(RESTARTS_ENV), num(LOST_STEPS_ENV))
+
+    def env(self) -> list[str]:
+        return [f"{RESTARTS_ENV}={self.restarts}", f"{LOST_STEPS_ENV}={self.lost_steps}"]
 
 
 def abort_line(label: str, message: str, reason: str) -> str:

@@ -123,7 +123,7 @@ def summarize(run: Run, run_dir: Path) -> str:
     if evals:
         best = min(evals, key=lambda sl: sl[1])
         lines.append(f"- eval loss: final {evals[-1][1]:.4f} at step {evals[-1][0]}, best {best[1]:.4f} at step {best[0]}")
-    cluster = _mean([e.get("cluster_tokens_per_s") for e in main])
+    cluster = _mean([e.get("cluster_units_per_s", e.get("cluster_tokens_per_s")) for e in main])
     lines.append(f"- cluster tokens/s (mean): {_num(cluster, ',.0f')}")
     skipped = sum(1 for e in main if e.get("skipped"))
     counts = {name: len(run.events(name)) for name in _COUNTED}
@@ -146,7 +146,7 @@ def summarize(run: Run, run_dir: Path) -> str:
         peaks = [e["memory_peak_bytes"] for e in ev if _finite(e.get("memory_peak_bytes"))]
         peak = f"{max(peaks) / 2**30:.2f} GiB" if peaks else "n/a"
         lines.append(f"| {r} | {run.hosts.get(r, '?')} | {len(ev)} | "
-                     f"{_num(_mean([e.get('tokens_per_s') for e in ev]), ',.0f')} | "
+                     f"{_num(_mean([e.get('units_per_s', e.get('tokens_per_s')) for e in ev]), ',.0f')} | "
                      f"{_pct(_mean(sync))} | {_pct(_mean(wait))} | {peak} |")
     lines += ["", f"Mean sync fraction of step time: {_pct(_mean(all_sync))}; "
               f"mean data-wait fraction: {_pct(_mean(all_wait))}."]
@@ -201,9 +201,10 @@ def plot(run: Run, out: Path) -> list[Path]:
     fig, (ax,) = new("Throughput", "tokens/s")
     for r in run.ranks:
         ev = run.steps.get(r, [])
-        ax.plot([e["step"] for e in ev], [e.get("tokens_per_s", 0) for e in ev], label=run.label(r), lw=1)
+        ax.plot([e["step"] for e in ev], [e.get("units_per_s", e.get("tokens_per_s", 0)) for e in ev],
+                label=run.label(r), lw=1)
     if len(run.ranks) > 1:
-        ax.plot([e["step"] for e in main], [e.get("cluster_tokens_per_s", 0) for e in main],
+        ax.plot([e["step"] for e in main], [e.get("cluster_units_per_s", e.get("cluster_tokens_per_s", 0)) for e in main],
                 "k--", label="cluster", lw=1.2)
     ax.set_ylim(bottom=0)
     ax.legend()

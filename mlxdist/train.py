@@ -1,40 +1,18 @@
-"""`python -m mlxdist.train`: the CLI and the training loop.
-
-One loop for every engine and any number of ranks. Read `Trainer.run` top to bottom: it
-is the algorithm, a list of named phases. Each component owns its state and its cadence
-(`Checkpointer.due`, `Evaluator.due`); decisions every rank must share (stop, re-plan,
-rollback) are taken from all-gathered numbers, so all ranks take them at the same step.
-"""
+"""`python -m mlxdist.train`: the CLI. The loop itself is `training/loop.py`."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 from .config import Config, ConfigError, load_config
-from .control import BatchSizeError, StepPlan, micro_batches, replan
-from .control.controllers import Controllers
-from .data import GlobalSampler, build_datasets
-from .data.batch import BatchMaker, TokenBatch
-from .data.feed import StepFeed
-from .dist.drift import SelfCheck, drift_verdict
-from .dist.world import World, resolve_backend
-from .engine import ENGINES, make_engine, make_world, prepare_process
-from .engine.base import Engine, StepStats
-from .engine.memory import MemoryReading
-from .markers import announce_complete
-from .models.build import inspect_base
-from .state import checkpoint as ckpt
-from .state.checkpointer import Checkpointer
-from .telemetry.events import EventLog, Progress
-from .telemetry.metrics import Metrics
-from .telemetry.reporter import Log, Reporter
-from .training.evaluation import Evaluator
-from .training.faults import Faults
+from .engine import ENGINES, prepare_process
+from .tasks import Task
+from .tasks.load import checked
 
 # Nothing above imports MLX: `main` may still re-exec the process with OpenBLAS preloaded.
 
@@ -42,7 +20,7 @@ from .training.faults import Faults
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m mlxdist.train",
-        description="Train a transformer on one machine or, under mpirun, on several.",
+        description="Train a model (the built-in LM, or task.factory: your own) on one machine or, under mpirun, on several.",
         epilog="Overrides: dotted keys, e.g. train.lr=3e-4 train.steps=1000 model.preset=small",
     )
     p.add_argument("--config", help="YAML config file (see configs/)")
@@ -62,15 +40,51 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return _run(cfg, args.engine, args.device)
+
+
+def fit(task: Task, config: str | Path | Config | None = None, overrides: Sequence[str] = (),
+        engine: str = "mlx", device: str = "auto") -> int:
+    """Train `task` with everything the CLI does; returns the exit code. Under
+    `mpirun -np N python my_train.py` every rank calls it. `config` is a YAML path or a
+    Config; `overrides` are `key=value` strings. Call it before anything imports MLX so
+    Linux can re-exec with a fast BLAS (it says so when it is too late)."""
+    from .blas import late_note
+
+    prepare_process(engine)
+    note = late_note() if engine == "mlx" else None
+    if note:
+        print(note, file=sys.stderr)
     try:
-        return train(cfg, args.engine, args.device)
+        cfg = config if isinstance(config, Config) else load_config(config, list(overrides))
+        if isinstance(config, Config) and overrides:
+            raise ConfigError("mlxdist.fit: give overrides with a YAML path (or None), not with a Config object")
+        if cfg.task.factory:
+            raise ConfigError(f"mlxdist.fit: the config sets task.factory ({cfg.task.factory}) and a task was "
+                              "passed; remove one")
+        task = checked(task, "mlxdist.fit(task)", _task_name(task))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return _run(cfg, engine, device, task)
+
+
+def _task_name(task: Task) -> str:
+    build = getattr(task, "build", None)
+    return f"{getattr(build, '__module__', '?')}:{getattr(build, '__qualname__', '?')}"
+
+
+def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int:
+    try:
+        return train(cfg, engine, device, task)
     except Exception as e:  # noqa: BLE001 - one line for the user, traceback on request
         expected = isinstance(e, (ConfigError, RuntimeError, ValueError, OSError))
         print(f"error: {e}" if expected else f"error: {type(e).__name__}: {e} "
               "(set MLXDIST_DEBUG=1 for the traceback)", file=sys.stderr)
         if os.environ.get("MLXDIST_DEBUG"):
             traceback.print_exc()
-        _abort_peers()
+        if not getattr(e, "all_ranks", False):  # raised by every rank together: nobody waits
+            _abort_peers()
         return 2 if isinstance(e, ConfigError) else 1
 
 
@@ -81,467 +95,10 @@ def _abort_peers() -> None:
         mpi.COMM_WORLD.Abort(1)
 
 
-def train(cfg: Config, engine_name: str = "mlx", device: str = "auto") -> int:
-    return Trainer(cfg, engine_name, device).run()
+def train(cfg: Config, engine_name: str = "mlx", device: str = "auto", task: Task | None = None) -> int:
+    from .training.loop import Trainer  # imports MLX or torch: after the BLAS re-exec
 
-
-class _InjectedOOM:
-    """Stands in the batch list to fail the first micro-step (MLXDIST_INJECT_OOM)."""
-
-
-class Trainer:
-    """Wires the components of one run together and runs the loop."""
-
-    def __init__(self, cfg: Config, engine_name: str = "mlx", device: str = "auto"):
-        self.cfg = cfg
-        self.world: World = make_world(engine_name, cfg, device)
-        self.run_dir = Path(cfg.train.out_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.world.install_signal_handlers()
-        self.world.start_watchdog(cfg.dist.stall_timeout_s)
-        w = self.world
-
-        metrics = Metrics(w.rank, w.host)
-        progress = Progress(cfg.train.steps, enabled=w.is_main and cfg.train.progress, every=cfg.train.log_every)
-        self.report = Reporter(Log(w.rank, w.label, self.run_dir), EventLog(self.run_dir, w.rank, w.host),
-                               metrics, progress)
-        for warning in getattr(cfg, "warnings", []):
-            if w.is_main:
-                self.report.say(f"config: {warning}")
-
-        self.hosts = w.allgather(w.host)
-        base = inspect_base(cfg)
-        train_set, eval_set = self._datasets(base)
-        self.engine: Engine = make_engine(engine_name, cfg, w, device)
-        self._check_same_base()
-        self.evaluator = Evaluator(eval_set, cfg.train, w)
-        self.feed = StepFeed(BatchMaker(train_set, GlobalSampler(len(train_set), cfg.train.seed), w.rank),
-                             cfg.data.prefetch)
-
-        node = cfg.node_for(w.host, w.rank)
-        my_micro = node.batch_size if cfg.nodes else cfg.train.batch_size
-        self.plan = StepPlan.initial(w.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
-        self.ctl = Controllers.build(cfg, self.plan, my_micro, node.memory_target, w.size)
-        self.state = ckpt.RunState()
-        self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir, host=w.host, rank=w.rank,
-                                        local_rank=w.local_rank)
-        self.faults = Faults.from_env()
-        self.stop_reason: str | None = None
-        self.self_check = SelfCheck(cfg.dist.sync_weights_every if w.size > 1 else 0)
-        self._drift_restored_to: int | None = None
-        self.outer = self._outer_sync()
-        self._rollback_wanted = False
-
-        backend = resolve_backend(cfg.dist.backend) if w.size > 1 else "single"
-        metrics.set_build(engine=self.engine.name, backend=backend, world_size=str(w.size))
-        warning = metrics.serve(cfg.metrics.port + w.local_rank if cfg.metrics.port else 0, cfg.metrics.bind)
-        if warning:
-            self.report.say(warning)
-        if w.is_main:
-            self._banner(backend, len(train_set))
-        if self.faults.compute_scale != 1.0:
-            self.report.say(f"rig: {w.label} computes x{self.faults.compute_scale:g} slower "
-                            "(MLXDIST_RIG_COMPUTE_SCALE)")
-
-    # ------------------------------------------------------------------ the loop
-    def run(self) -> int:
-        self.restore(self.checkpoints.for_resume(self.report.say) if self.world.is_main else None)
-        self.feed.restart(self.state.step, self.state.position, self.plan)
-        stats = None
-        try:
-            while self.state.step < self.cfg.train.steps and self.stop_reason is None:
-                t_step = time.perf_counter()
-                batches = self.feed.get(self.state.step)
-                compute_s = self.forward_backward(batches)
-                lr, stats = self.optimizer_step()
-                if self.rolled_back(stats):
-                    continue
-                self.advance()
-                memory = self.adapt(compute_s)
-                if self.check_drift():
-                    continue
-                self.sync_outer(ended=self.state.step >= self.cfg.train.steps)
-                self.report_step(stats, lr, compute_s, memory, time.perf_counter() - t_step)
-                last = self.state.step >= self.cfg.train.steps or self.stop_reason is not None
-                if self.evaluator.due(self.state.step, last):
-                    last = self.evaluate() or last
-                if self.checkpoints.due(self.state.step, last):
-                    self.save_checkpoint()
-        finally:
-            self.feed.close()
-        self.finish(stats)
-        return 0
-
-    # ------------------------------------------------------------------ phases
-    def forward_backward(self, batches: list) -> float:
-        """This rank's share of the step, in micro-batches. On out-of-memory the micro-batch
-        shrinks and the same samples are redone: the share is unchanged, so peers simply
-        wait in the all-reduce, and the new size reaches them at the next all-gather."""
-        self.engine.reset_peak()
-        t0 = time.perf_counter()
-        if self.faults.take_oom(self.world.rank, self.state.step):
-            batches = [_InjectedOOM(), *batches]
-        while True:
-            try:
-                for batch in batches:
-                    if isinstance(batch, _InjectedOOM):
-                        raise MemoryError("injected out-of-memory (MLXDIST_INJECT_OOM)")
-                    self.engine.micro_step(batch)
-                break
-            except (MemoryError, RuntimeError) as e:
-                if not isinstance(e, MemoryError) and not _looks_like_oom(e):
-                    raise
-                batches = self._shrink_after_oom(e, [b for b in batches if not isinstance(b, _InjectedOOM)])
-        self.faults.stretch_compute(time.perf_counter() - t0)  # rig only: a slower GPU, counted as compute
-        compute_s = time.perf_counter() - t0
-        if self.faults.take_nan(self.state.step):
-            self.engine.poison_loss()
-        return compute_s
-
-    def optimizer_step(self) -> tuple[float, StepStats]:
-        """Sync gradients and update (DDP: every rank sees the same loss and norm; DiLoCo:
-        each its own)."""
-        lr = self.ctl.schedule(self.state.step, self.state.lr_scale * self.state.plateau_scale)
-        stats = self.engine.step(lr)
-        if self.self_check.due(self.state.step + 1):  # before anything else can touch the weights
-            self.self_check.remember(self.state.step + 1, self.engine.weight_checksum())
-        return lr, stats
-
-    def rolled_back(self, stats: StepStats) -> bool:
-        """Health check of the step; after too many bad steps in a row, go back to the last
-        checkpoint with a lower learning rate. True when it did."""
-        verdict = self.ctl.health.observe(self.state.step, stats.loss, stats.grad_norm)
-        for warning in verdict.warnings:
-            self.report.say(f"health: {warning}")
-        if stats.skipped:
-            self.report.emit("skipped", f"step {self.state.step}: non-finite loss/gradients; update skipped "
-                             f"({self.ctl.health.nonfinite_total} so far)", step=self.state.step)
-        if not self._agree_on_rollback(verdict.rollback):
-            return False
-        before = self.state.lr_scale
-        latest = self.checkpoints.latest(self.report.say) if self.world.is_main else None
-        if self.world.bcast(latest is not None):
-            self.restore(latest, rolling_back=True)
-            where = f"back to step {self.state.step}"
-        else:
-            where = "no checkpoint yet, weights kept"
-        # Compounds across rollbacks to the same checkpoint, so a repeating blow-up meets an
-        # ever lower learning rate instead of looping forever.
-        self.state.lr_scale = min(self.state.lr_scale, before) * self.cfg.control.rollback_lr_scale
-        self.report.emit("rollback", f"rollback: {self.cfg.control.max_bad_steps} bad steps in a row; {where}, "
-                         f"learning rate x{self.state.lr_scale:g}", step=self.state.step,
-                         lr_scale=self.state.lr_scale)
-        self.feed.restart(self.state.step, self.state.position, self.plan)
-        return True
-
-    def advance(self) -> None:
-        self.state.step += 1
-        self.state.position += self.plan.global_batch
-        if self.faults.drift_now(self.world.rank, self.state.step):
-            self.engine.perturb_weights()
-
-    def adapt(self, compute_s: float) -> MemoryReading:
-        """Memory -> this rank's micro-batch; all-gathered numbers -> the cluster's plan and
-        whether to stop. Every rank decides the same from the same gathered list."""
-        memory = self.engine.memory()
-        if self.cfg.control.adapt_batch:
-            d = self.ctl.batch.observe(memory.peak, memory.limit)
-            if d is not None:
-                self.report.emit("memory", f"batch: rank {self.world.rank}: {d.reason}; micro-batch {d.old} -> {d.new}",
-                                 step=self.state.step, old=d.old, new=d.new,
-                                 action="shrink" if d.new < d.old else "grow")
-        every = self.cfg.control.clear_cache_every
-        if every and self.state.step % every == 0:
-            self.engine.clear_cache()
-        if not self._meets(self.state.step):
-            return memory
-        gathered = self.world.allgather({"samples": self.plan.shares[self.world.rank], "compute_s": compute_s,
-                                         "micro": self.ctl.batch.batch, "stop": self.world.stop_requested})
-        if any(g["stop"] for g in gathered):
-            self.stop_reason = "signal"
-        balancer = self.ctl.balancer if self.cfg.control.balance and self.world.size > 1 else None
-        plan, decisions = replan(self.plan, gathered, self.state.step, balancer, self.ctl.accum)
-        for d in decisions:
-            self.report.emit(d.kind, d.text, **d.fields)
-        if decisions:
-            self.plan = plan
-            self.feed.restart(self.state.step, self.state.position, self.plan)
-        return memory
-
-    def _meets(self, step: int) -> bool:
-        """Whether the ranks exchange their control numbers (stop, plan, rollback) after
-        `step`. In DDP every step: they meet in the all-reduce anyway. In DiLoCo every
-        `control.balance_interval` steps and at the end: between meetings no rank waits
-        for a slower one, and a stop request takes at most that many steps."""
-        return self.outer is None or step % self.cfg.control.balance_interval == 0 or step >= self.cfg.train.steps
-
-    def _agree_on_rollback(self, wanted: bool) -> bool:
-        """Rollbacks restore a checkpoint on every rank at once. In DDP every rank sees the
-        same loss, so the verdicts agree; with DiLoCo's local steps a rank's wish waits
-        for the next meeting, where any rank's wish rolls all of them back."""
-        if self.outer is None:
-            return wanted
-        self._rollback_wanted = self._rollback_wanted or wanted
-        if not self._meets(self.state.step + 1):
-            return False
-        agreed = any(self.world.allgather(self._rollback_wanted))
-        self._rollback_wanted = False
-        return agreed
-
-    def check_drift(self) -> bool:
-        """Every `dist.sync_weights_every` steps: all-gather weight checksums and self-checks;
-        where ranks differ, repair from the rank `drift_verdict` trusts (the majority, or the
-        one that passed its own check), else from the latest checkpoint (DESIGN promise 3).
-        True when it went back to a checkpoint (the step is then redone)."""
-        every = self.cfg.dist.sync_weights_every
-        if self.world.size == 1 or not every or self.state.step % every or self.outer is not None:
-            return False  # DiLoCo ranks differ between outer syncs by design
-        step, mine = self.state.step, self.engine.weight_checksum()
-        gathered = self.world.allgather((mine, self.self_check.verify(step, mine)))
-        verdict = drift_verdict([g[0] for g in gathered], [g[1] for g in gathered], self.hosts)
-        if verdict.in_sync:
-            return False
-        fields = dict(step=step, ranks=verdict.drifted_ranks, source=verdict.source_rank,
-                      checkpoint=verdict.restore_from_checkpoint)
-        if verdict.restore_from_checkpoint:
-            latest = self.checkpoints.latest(self.report.say) if self.world.is_main else None
-            found = self.world.bcast(latest.meta.run.step if latest is not None else None)
-            if found is not None and found != self._drift_restored_to:
-                self.report.emit("drift_repair", f"drift: step {step}: {verdict.message} (step {found})", **fields)
-                self.restore(latest, rolling_back=True)
-                self._drift_restored_to = found
-                self.feed.restart(self.state.step, self.state.position, self.plan)
-                return True
-            why = "none saved yet" if found is None else "it drifted again since"
-            self.engine.broadcast_state(verdict.source_rank)
-            self.report.emit("drift_repair", f"drift: step {step}: {verdict.message}: {why}, so continuing from "
-                             f"rank {verdict.source_rank}'s weights", **fields)
-            return False
-        self.engine.broadcast_state(verdict.source_rank)
-        self.report.emit("drift_repair", f"drift: step {step}: {verdict.message}", **fields)
-        return False
-
-    def sync_outer(self, ended: bool) -> None:
-        """dist.mode=diloco: the outer step of the fragments that are due; all of them when
-        the run reaches train.steps, so it ends on one model. (A stopped run does not: it
-        saves each rank's round, so a resume continues exactly.)"""
-        if self.outer is None:
-            return
-        for s in self.outer.after_step(self.engine, self.plan.shares[self.world.rank], ended):
-            self._report_outer(s)
-
-    def report_step(self, stats: StepStats, lr: float, compute_s: float, memory: MemoryReading,
-                    step_s: float) -> None:
-        rank, plan = self.world.rank, self.plan
-        samples = plan.shares[rank]
-        tokens = samples * self.cfg.data.seq_len
-        cluster_tokens = stats.tokens * plan.global_batch / max(samples, 1) if stats.local else stats.tokens
-        cluster_tok_s = cluster_tokens / max(step_s, 1e-9)
-        self.report.emit(
-            "step", step=self.state.step, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm,
-            tokens_per_s=tokens / max(step_s, 1e-9), cluster_tokens_per_s=cluster_tok_s, step_s=step_s,
-            compute_s=compute_s, sync_s=stats.sync_seconds, sync_bytes=stats.sync_bytes,
-            data_wait_s=self.feed.take_wait_seconds(), shares=plan.shares, micro=plan.micro,
-            micro_batch=plan.micro[rank], accum=plan.accumulation(rank), samples=samples, tokens=tokens,
-            global_batch=plan.global_batch, position=self.state.position, skipped=stats.skipped,
-            memory_active_bytes=memory.active, memory_peak_bytes=memory.peak, memory_limit_bytes=memory.limit)
-        self.report.progress.update(self.state.step, stats.loss, cluster_tok_s)
-
-    def evaluate(self) -> bool:
-        """Held-out loss, then the policies that read it. True when early stopping says stop."""
-        s = self.state
-        s.eval_loss = self.evaluator.run(self.engine, self.plan.micro[self.world.rank])
-        self.report.emit("eval", f"eval: step {s.step}: loss {s.eval_loss:.4f}", step=s.step, eval_loss=s.eval_loss)
-        if s.best_eval is None or s.eval_loss < s.best_eval:
-            s.best_eval = s.eval_loss
-        if self.ctl.plateau is not None:
-            scale = self.ctl.plateau.observe(s.eval_loss)
-            if scale != s.plateau_scale:
-                self.report.emit("plateau", f"plateau: eval loss flat for {self.cfg.control.plateau_patience} evals; "
-                                 f"learning rate x{scale:g}", step=s.step, scale=scale)
-                s.plateau_scale = scale
-        if self.ctl.stopper.observe(s.eval_loss):
-            self.stop_reason = self.stop_reason or "early stopping"
-            return True
-        return False
-
-    def save_checkpoint(self) -> None:
-        batch_states = self.world.allgather(self.ctl.batch.state_dict())
-        opt, opt_step = self.engine.get_optimizer_state()
-        weights = self._save_outer(opt_step, opt) if self.outer is not None else None
-        if self.checkpoints.writes:  # rank 0; with checkpoint.on_every_host each host's first rank too
-            meta = ckpt.CheckpointMeta(
-                run=self.state, optimizer_step=opt_step, controllers=self.ctl.state_dict(batch_states, self.plan),
-                world_size=self.world.size, hosts=self.hosts, engine=self.engine.name, config=self.cfg.to_dict(),
-                global_batch=self.plan.global_batch, base_fingerprint=self.engine.base_fingerprint,
-                base_files=dict(self.engine.base.files) if self.engine.base else {})
-            path, seconds = self.checkpoints.save(self.state.step, weights or self.engine.get_weights(), opt, meta)
-            self.report.emit("checkpoint", f"checkpoint: {path} ({seconds:.2f}s)", step=self.state.step,
-                             path=str(path), seconds=seconds)
-        # Peers wait here, with a longer stall allowance, rather than in the next step's
-        # all-reduce, where a big model's slow save would look like a dead rank.
-        self.world.barrier("waiting for the checkpoint writers", patience=10)
-
-    def restore(self, loaded: ckpt.Loaded | None, rolling_back: bool = False) -> None:
-        """Rank 0 read the checkpoint (or nothing); every rank ends with its complete state:
-        weights, optimizer moments and update count, run state and controllers."""
-        meta = None
-        if self.world.is_main and loaded is not None:
-            meta = loaded.meta
-            self._check_checkpoint_base(loaded.path, meta)
-            self.engine.set_weights(loaded.weights)
-            self.engine.set_optimizer_state(loaded.optimizer, meta.optimizer_step)
-            self.report.say(f"resumed from {loaded.path} (step {meta.run.step}, saved by {meta.world_size} rank(s))")
-        meta = self.world.bcast(meta)
-        if meta is None:
-            return
-        self.state = meta.run
-        if meta.global_batch not in (None, self.plan.global_batch):
-            self.report.say(f"resume: global batch {meta.global_batch} -> {self.plan.global_batch} (this cluster's "
-                            "node batch sizes x train.accum); set train.global_batch to keep it")
-        same_cluster = meta.hosts == self.hosts and meta.global_batch == self.plan.global_batch
-        self.ctl.load_state_dict(meta.controllers, self.plan, self.world.rank, same_cluster=same_cluster,
-                                 rolling_back=rolling_back)
-        self.engine.broadcast_state(0)
-        if self.outer is not None:
-            self._restore_outer(loaded, meta)
-
-    def _check_checkpoint_base(self, path: Path, meta: ckpt.CheckpointMeta) -> None:
-        mine = self.engine.base_fingerprint
-        if meta.base_fingerprint == mine:
-            return
-        if mine is None or meta.base_fingerprint is None:
-            raise ConfigError(f"checkpoint {path}: trained on {'no' if meta.base_fingerprint is None else 'a'} "
-                              f"pretrained base, but model.path is {self.cfg.model.path or 'unset'}")
-        ours = dict(self.engine.base.files)
-        differ = sorted(f for f in set(ours) | set(meta.base_files) if ours.get(f) != meta.base_files.get(f))
-        raise ConfigError(f"checkpoint {path}: its base differs from model.path {self.cfg.model.path}"
-                          + (f" in {', '.join(differ)}" if differ else "") + "; resume with the base it was trained on")
-
-    def finish(self, stats: StepStats | None) -> None:
-        s = self.state
-        if self.world.is_main:
-            adapter = self.engine.save_adapter(self.run_dir / "adapter")
-            if adapter is not None:
-                self.report.say(f"adapter: {adapter} (PEFT layout; `python -m mlxdist.generate --checkpoint "
-                                f"{self.cfg.model.path} --adapter {adapter}`)")
-        if self.stop_reason == "signal":
-            self.report.say(f"stopped by signal after step {s.step}; continue with --resume auto")
-        elif self.stop_reason:
-            self.report.say(f"stopped after step {s.step}: {self.stop_reason}")
-        if self.world.is_main:
-            self.report.say(f"done: step {s.step}, last loss {stats.loss:.4f}" if stats else f"done: step {s.step}")
-        if self.outer is not None:
-            self.outer.close()
-        self.report.progress.close()
-        self.report.emit("end", step=s.step, reason=self.stop_reason or "completed")
-        self.report.close()
-        if self.world.is_main:  # last line: launch/mlxrun exits 0 only after it
-            announce_complete(s.step, self.stop_reason or "completed")
-
-    # ------------------------------------------------------------------ DiLoCo
-    def _outer_sync(self):
-        if self.cfg.dist.mode != "diloco":
-            return None
-        from .sync.diloco_strategy import OuterSync, describe
-
-        if self.world.is_main:
-            self.report.say(describe(self.cfg.dist))
-        return OuterSync(self.cfg.dist, self.engine.get_weights(), self.world.comm)
-
-    def _report_outer(self, s) -> None:
-        d = self.cfg.dist
-        self.report.emit(
-            "outer_sync", f"diloco: step {self.state.step}: fragment {s.fragment + 1}/{d.fragments} synced, "
-            f"{s.bytes / 1e6:.2f} MB in {s.seconds:.2f}s; pseudo-gradient norm {s.pseudo_grad_norm:.4g}; "
-            f"{s.inner_steps} inner steps, {s.samples} of {s.total_samples} samples here",
-            step=self.state.step, fragment=s.fragment, seconds=s.seconds, bytes=s.bytes,
-            pseudo_grad_norm=s.pseudo_grad_norm, inner_steps=s.inner_steps, samples=s.samples,
-            total_samples=s.total_samples)
-
-    def _save_outer(self, opt_step: int, opt: dict) -> dict:
-        """Every rank writes its own state (local weights, moments, round); rank 0's
-        checkpoint gets the shared outer state, and the anchors as the model's weights."""
-        from .state.rank_state import RankStateInfo
-
-        for s in self.outer.drain(self.engine):
-            self._report_outer(s)
-        w = self.world
-        self.outer.save_rank_state(self.run_dir / "rank_state", RankStateInfo(
-            self.state.step, w.rank, w.size, self.hosts, opt_step), self.engine, self.cfg.checkpoint.keep_last)
-        opt.update(self.outer.shared_state())
-        return self.outer.anchors()
-
-    def _restore_outer(self, loaded: ckpt.Loaded | None, meta: ckpt.CheckpointMeta) -> None:
-        """Exact when every rank finds its own file of that step from this same cluster;
-        otherwise (fewer hosts, a file lost with its host) from the shared state alone."""
-        from .state import rank_state
-
-        w = self.world
-        shared = w.bcast({k: v for k, v in loaded.optimizer.items() if k.startswith("outer.")} if w.is_main else None)
-        try:
-            own, opt_step = rank_state.load(self.run_dir / "rank_state", meta.run.step, w.rank, w.size, self.hosts)
-            why = ""
-        except rank_state.RankStateMissing as e:
-            own, opt_step, why = None, meta.optimizer_step, str(e)
-        reasons = [r for r in w.allgather(why) if r]
-        if reasons:
-            own = None
-            self.report.say(f"diloco: resuming from the shared outer state only ({reasons[0]}); each rank restarts "
-                            "its round from the last synced weights")
-        self.outer.restore(shared, own, self.engine, opt_step if own is not None else meta.optimizer_step)
-
-    # ------------------------------------------------------------------ helpers
-    def _datasets(self, base):
-        data = self.cfg.data
-        if data.source != "jsonl":
-            return build_datasets(data, self.cfg.train.seed, self.cfg.model.vocab_size)
-        if base is None:
-            raise ConfigError("data.source=jsonl: tokenizing needs the model's tokenizer; set model.path")
-        from .data.hf_tokenizer import load_tokenizer
-        from .data.instruct import build_jsonl_datasets
-
-        train_set, eval_set = build_jsonl_datasets(data, self.cfg.train.seed, load_tokenizer(base.path).tok)
-        if self.world.is_main:
-            self.report.say(train_set.stats.summary("train") + "; " + eval_set.stats.summary("eval"))
-        return train_set, eval_set
-
-    def _check_same_base(self) -> None:
-        """Every rank must fine-tune the very same base: a host with another snapshot of the
-        model would train something else under the same name."""
-        prints = self.world.allgather(self.engine.base_fingerprint)
-        odd = [f"rank {r} ({self.hosts[r]})" for r, f in enumerate(prints) if f != prints[0]]
-        if odd:
-            raise ConfigError(f"model.path {self.cfg.model.path}: the base weights on {', '.join(odd)} differ from "
-                              f"rank 0's ({self.world.host}); copy the same model directory to every host")
-
-    def _shrink_after_oom(self, error: BaseException, batches: list[TokenBatch]) -> list[TokenBatch]:
-        self.engine.discard_gradients()
-        self.engine.clear_cache()
-        try:
-            d = self.ctl.batch.on_oom()
-        except BatchSizeError as stuck:
-            raise RuntimeError(f"{self.world.label}: out of memory at the smallest batch size "
-                               f"(control.min_batch={self.cfg.control.min_batch}): {stuck}") from None
-        self.report.emit("oom", f"oom: step {self.state.step}: {error}; micro-batch {d.old} -> {d.new}, "
-                         "retrying the step", step=self.state.step, old=d.old, new=d.new)
-        samples = TokenBatch.concat(batches)
-        return samples.split(micro_batches(len(samples), d.new))
-
-    def _banner(self, backend: str, n_windows: int) -> None:
-        cfg, w, plan = self.cfg, self.world, self.plan
-        say = self.report.say
-        say(f"mlxdist: {w.size} rank(s), engine {self.engine.describe()}"
-            + (f", dist backend {backend}" if w.size > 1 else ""))
-        say(f"{self.engine.model_summary}; data: {cfg.data.source}, {n_windows} windows of {cfg.data.seq_len}")
-        (self.run_dir / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.to_dict(), sort_keys=False))
-        say(f"plan: global batch {plan.global_batch} = shares {plan.shares} in micro-batches {plan.micro}"
-            f" on {', '.join(self.hosts)}; metrics on :{cfg.metrics.port or 'off'}; run dir {self.run_dir}")
-
-
-def _looks_like_oom(e: Exception) -> bool:
-    text = str(e).lower()
-    return any(k in text for k in ("out of memory", "outofmemory", "malloc", "failed to allocate"))
+    return Trainer(cfg, engine_name, device, task).run()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ exactly: a fast sync that is wrong would silently split the ranks' weights."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, mpirun_path
+from helpers import ROOT, env, mpirun_path
 
 from mlxdist.bench.allreduce import busbw_gbs, default_sizes, parse_size
 
@@ -93,3 +94,16 @@ def test_ring_allreduce_exact(tmp_path: Path, n: int) -> None:
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"RING OK {n}" in res.stdout
+
+
+def test_bench_measures_between_the_hosts_of_a_hostfile(tmp_path: Path) -> None:
+    """What the README tells Mac users to run between their Macs (here the one-host hostfile)."""
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, "-m", "mlxdist.bench.allreduce", "--hostfile",
+                        str(ROOT / "hostfiles" / "localhost.hosts"), "--transports", "raw-mpi4py,mpi4py",
+                        "--sizes", "4K,64K", "--only-sizes", "--quick", "--json", str(out)],
+                       capture_output=True, text=True, env=env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    merged = json.loads(out.read_text())
+    assert merged["n"] == 2 and set(merged["results"]) == {"raw-mpi4py", "mpi4py"}
+    assert all(float(v) > 0 for t in merged["results"].values() for v in t.values())

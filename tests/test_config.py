@@ -4,7 +4,7 @@ import sys
 import pytest
 from helpers import env
 
-from mlxdist.config import ConfigError, load_config, parse_override
+from mlxdist.config import ConfigError, config_from_args, load_config, parse_override
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -50,6 +50,37 @@ def test_node_matching():
     assert cfg.node_for("other").batch_size == cfg.train.batch_size
 
 
+def test_mac_host_names_match_lower_case_patterns():
+    # macOS names a Mac `Owners-Model.local`, capitalised; people write `studio`, `macbook*`.
+    cfg = load_config(None, ["nodes={studio: {batch_size: 32}, 'macbook*': {batch_size: 8}}",
+                             "train.batch_size=4"])
+    assert cfg.node_for("Studio.local").batch_size == 32
+    assert cfg.node_for("Johns-MacBook-Pro.local").batch_size == 8
+    assert cfg.node_for("MacBook-Air").batch_size == 8
+    assert cfg.node_for("Johns-Mac-Studio.local", rank=3).batch_size == 32  # a word of the name
+    assert cfg.node_key("Johns-Mac-mini.local") is None
+    words = load_config(None, ["nodes={studio: {batch_size: 32}, macbook: {batch_size: 8}}"])
+    assert words.node_for("Johns-MacBook-Pro.local").batch_size == 8
+    assert cfg.unmatched_nodes_warning(["Studio.local", "Johns-MacBook-Pro.local"]) is None
+    warning = cfg.unmatched_nodes_warning(["Studio.local", "Johns-Mac-mini.local", "Johns-Mac-mini.local"])
+    assert warning == ("nodes: host 'Johns-Mac-mini.local' matched no entry (studio, macbook*); it runs "
+                       "with train.batch_size=4. Add a key: its short name, a word of it, a glob such "
+                       "as 'macbook*', or 'default'")
+    assert load_config(None, []).unmatched_nodes_warning(["Johns-Mac-mini.local"]) is None  # no nodes:
+
+
+def test_node_match_order():
+    cfg = load_config(None, ["nodes={Default: {batch_size: 2}, 'mac*': {batch_size: 3}, "
+                             "mac-mini: {batch_size: 5}, RANK1: {batch_size: 7}}"])
+    assert cfg.node_key("Johns-Mac-mini.local", rank=1) == "RANK1"  # rankN first
+    assert cfg.node_key("Mac-mini.local") == "mac-mini"              # exact before glob
+    assert cfg.node_key("Johns-Mac-mini.local") == "mac-mini"        # words, exactly, before globs
+    assert cfg.node_key("Johns-Mac-Pro.local") == "mac*"             # words as a glob
+    assert cfg.node_key("macstudio") == "mac*"                       # the short name as a glob first
+    assert cfg.node_key("studio") == "Default" and cfg.node_for("studio").batch_size == 2
+    assert cfg.unmatched_nodes_warning(["studio", "x"]) is None      # `default` is a match
+
+
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("train:\n  stepz: 3\n")
@@ -61,6 +92,18 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mlxdist.train", "--config", str(tmp_path / "nope.yaml")],
                        capture_output=True, text=True, env=env(), timeout=60)
     assert r.returncode == 2 and "config file not found" in r.stderr
+
+
+def test_config_from_train_args_passes_over_other_options(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  steps: 9\n")
+    cfg = config_from_args(["--engine", "torch", "train.lr=1e-3", "--config", str(f), "--device=cpu",
+                            "--resume", "auto", "checkpoint.every=4"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.checkpoint.every, cfg.checkpoint.resume) == (9, 1e-3, 4, "auto")
+    with pytest.raises(ConfigError, match="train.stepz"):
+        config_from_args(["train.stepz=1", "--engine", "mlx"])
+    with pytest.raises(ConfigError, match="--config: expected a value"):
+        config_from_args(["--config"])
 
 
 def test_cli_overrides_and_options_mix():

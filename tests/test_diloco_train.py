@@ -44,17 +44,19 @@ def reference(overrides: list[str], sizes: list[int], fragments: int, steps: int
 def _reference(overrides: list[str], sizes: list[int], fragments: int, steps: int, snapshot: int):
     from mlxdist.config import load_config
     from mlxdist.control import StepPlan
-    from mlxdist.data import GlobalSampler, build_datasets
+    from mlxdist.data import GlobalSampler
     from mlxdist.data.batch import BatchMaker
+    from mlxdist.engine.base import local_step
     from mlxdist.engine.mlx_engine import MLXEngine
-    from mlxdist.models.build import build_mlx
     from mlxdist.sync.fragments import partition
+    from mlxdist.tasks.lm import lm_task
 
     cfg = load_config(None, [*overrides, "dist.mode=ddp"])  # one worker = plain local AdamW
-    train_set, _ = build_datasets(cfg.data, cfg.train.seed, cfg.model.vocab_size)
+    task = lm_task(cfg)
     plan = StepPlan.initial(sizes, cfg.train.accum, None)
-    workers = [MLXEngine(build_mlx(cfg), cfg) for _ in sizes]
-    makers = [BatchMaker(train_set, GlobalSampler(len(train_set), cfg.train.seed), r) for r in range(len(sizes))]
+    workers = [MLXEngine(cfg) for _ in sizes]
+    makers = [BatchMaker(lambda idx: task.make_batch(task.dataset, idx), GlobalSampler(len(task.dataset), cfg.train.seed), r)
+              for r in range(len(sizes))]
     anchor = workers[0].get_weights()
     names = sorted(anchor)
     groups = partition([anchor[n].size for n in names], fragments)
@@ -65,7 +67,7 @@ def _reference(overrides: list[str], sizes: list[int], fragments: int, steps: in
         for r, engine in enumerate(workers):
             for batch in makers[r](position, plan):
                 engine.micro_step(batch)
-            engine.step(cfg.train.lr)
+            local_step(engine, cfg.train.lr)
             since[r] = [s + plan.shares[r] for s in since[r]]
         position += plan.global_batch
         into_round = (t - 1) % H + 1

@@ -111,3 +111,27 @@ def test_two_ranks_that_cannot_tell_restore_the_checkpoint(tmp_path):
     assert [(e["step"], e["ranks"], e["checkpoint"]) for e in repairs] == [(4, [], True)]
     steps = [e["step"] for e in _events(tmp_path, 0) if e["event"] == "step"]
     assert steps == [1, 2, 3, 3, 4, 5, 6, 7, 8]  # step 4's weights were discarded unreported; 3-4 redone
+
+
+@pytest.mark.cluster
+def test_ranks_that_initialise_differently_start_from_rank_0s_weights(tmp_path):
+    """A model initialised without a shared seed differs per rank; rank 0's weights are
+    broadcast before step 1, so the first drift check already finds every rank equal."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import env, mpirun_path
+
+    # Each rank draws its own initial weights (user_tasks.mlx_mlp(rank_init=True)); the data is the same.
+    cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", "-x",
+           "OPENBLAS_NUM_THREADS", sys.executable, "-m", "mlxdist.train", "metrics.port=0", "train.progress=false",
+           "train.eval_every=0", "task.factory=user_tasks:mlx_mlp", "task.args={rank_init: true}", "train.steps=3",
+           "dist.sync_weights_every=1", "train.batch_size=2", f"train.out_dir={tmp_path}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env(), cwd=Path(__file__).parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "done: step 3" in r.stderr
+    for rk in (0, 1):
+        events = _events(tmp_path, rk)
+        assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3]
+        assert [e for e in events if e["event"] == "drift_repair"] == []

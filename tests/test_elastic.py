@@ -29,7 +29,6 @@ from mlxdist.launch.elastic import (
     Probe,
     RejoinWatch,
     Restart,
-    RestartCounts,
     newest_copy,
     plan_restart,
     restart_args,
@@ -37,7 +36,7 @@ from mlxdist.launch.elastic import (
     worth_restarting,
 )
 from mlxdist.launch.supervisor import Supervisor
-from mlxdist.markers import Exit
+from mlxdist.markers import Exit, RestartCounts
 from mlxdist.state import checkpoint as ckpt
 from mlxdist.state.checkpointer import Checkpointer, all_copies, newest_whole
 

@@ -38,10 +38,11 @@ def _args(base, data, out, *extra):
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_unequal_batches_with_masked_prompts_equal_one_process(tmp_path, base, data, method):
+@pytest.mark.parametrize("method, engine", [("full", "mlx"), ("lora", "mlx"), ("lora", "torch")])
+def test_unequal_batches_with_masked_prompts_equal_one_process(tmp_path, base, data, method, engine):
     one, two = tmp_path / "one", tmp_path / "two"
-    ft = [f"finetune.method={method}", "finetune.targets=q_proj,v_proj,down_proj"]
+    ft = [f"finetune.method={method}", "finetune.targets=q_proj,v_proj,down_proj",
+          *(["--engine", "torch", "--device", "cpu"] if engine == "torch" else [])]
     r = run_train(_args(base, data, one, *ft, "train.steps=4", "train.batch_size=8"))
     assert r.returncode == 0, r.stderr
     assert "trainable" in r.stderr if method == "lora" else "all trained" in r.stderr

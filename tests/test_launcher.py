@@ -1,12 +1,13 @@
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, env
 
-from mlxdist.dist.world import MPI_LIBNAME
-from mlxdist.launch.launcher import read_hostfile
+from mlxdist.dist.world import default_mpi_library, mpi_library
+from mlxdist.launch.hosts import read_hostfile
 from mlxdist.launch.mpirun import mpirun_command
 from mlxdist.launch.supervisor import supervise
 from mlxdist.markers import (
@@ -30,9 +31,43 @@ def test_dry_run_prints_mpirun_command():
                 "--", "--config", "configs/cluster.yaml")
     assert r.returncode == 0, r.stderr
     cmd = r.stdout.strip()
-    for part in ("-np 2", "--bind-to none", "btl_tcp_links 4", "MLX_MPI_LIBNAME=libmpi.so.40",
+    for part in ("-np 2", "--bind-to none", "btl_tcp_links 4", "btl self,sm,tcp",  # one host: shared memory
                  "-m mlxdist.train --config configs/cluster.yaml"):
         assert part in cmd
+    # an absolute path inside the environment, so no library search path is needed
+    assert f"/lib/{mpi_library(sys.platform, None)} " in cmd.split("MLX_MPI_LIBNAME=/", 1)[1]
+
+
+def test_mlxrun_from_a_plain_python3_runs_in_the_environment(tmp_path):
+    """What a Mac user types first: `launch/mlxrun` with the system python3 and no activated
+    environment. It re-runs itself with the environment's Python and its mpirun."""
+    import os
+    import shutil
+
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    env_python = os.environ.get("VIRTUAL_ENV") and Path(os.environ["VIRTUAL_ENV"]) / "bin" / "python"
+    if system is None or not env_python or Path(sys.prefix).resolve() == Path(system).resolve().parents[1]:
+        pytest.skip("needs a system python3 in /usr/bin and the tests run from a virtual environment")
+    r = subprocess.run([system, str(ROOT / "launch" / "mlxrun"), "--hostfile", str(ROOT / "hostfiles" / "localhost.hosts"),
+                        "--dry-run", "--", "train.steps=1"], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
+                            "VIRTUAL_ENV": os.environ["VIRTUAL_ENV"]})
+    assert r.returncode == 0, r.stderr
+    mpirun, *rest = r.stdout.split()
+    assert Path(mpirun) == Path(sys.executable).parent / "mpirun"
+    assert str(Path(sys.executable).parent / "python") in rest
+
+
+def test_mpirun_beside_the_interpreter_wins_over_path(tmp_path, monkeypatch):
+    from mlxdist.dist.world import find_mpirun
+
+    for d in ("env/bin", "other"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "mpirun").write_text("#!/bin/sh\n")
+        (tmp_path / d / "mpirun").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "other"))
+    assert find_mpirun(str(tmp_path / "env" / "bin" / "python")) == str(tmp_path / "env" / "bin" / "mpirun")
+    assert find_mpirun(str(tmp_path / "nowhere" / "python")) == str(tmp_path / "other" / "mpirun")
 
 
 def test_unreachable_host_is_named(tmp_path):
@@ -96,7 +131,8 @@ def test_one_mpirun_builder(tmp_path, monkeypatch):
     assert ("--hostfile", str(tmp_path / "hostfile-1-3")) in pairs and cmd[-3:] == ["-np", "2", "prog"]
     assert ("plm_ssh_agent", str(c.ssh_agent)) in pairs and ("btl_tcp_if_include", "10.79.0.0/24") in pairs
     assert ("-x", "FOO") in pairs and ("-x", "BAR") not in pairs
-    assert ("-x", f"MLX_MPI_LIBNAME={MPI_LIBNAME}") in pairs
+    assert ("-x", f"MLX_MPI_LIBNAME={default_mpi_library('mpirun')}") in pairs
+    assert ("btl", "tcp,self") in pairs  # two hosts
     assert (tmp_path / "hostfile-1-3").read_text() == "10.79.0.1 slots=1\n10.79.0.3 slots=1\n"
     assert c.mpirun_args() == mpirun_command([], **c.mpirun_options(), mpirun="mpirun")[1:]
 
@@ -106,6 +142,30 @@ def test_unknown_subset_host_is_named(tmp_path):
     assert r.returncode == 2 and "no simulated cluster 'nosuchcluster'" in r.stderr
     r = _mlxrun("--hostfile", str(ROOT / "hostfiles" / "localhost.hosts"), "--hosts", "1", "--dry-run")
     assert r.returncode == 2 and "--hosts" in r.stderr
+
+
+def test_simcluster_is_found_through_its_launch_profile(tmp_path):
+    """`--simcluster DIR --hosts` and the rig's hostfile need only the launch.json profile the rig
+    writes; the launcher never imports the rig."""
+    from mlxdist.launch.profile import ClusterProfile, ProfileHost
+
+    agent, hostfile = tmp_path / "ssh-agent", tmp_path / "hostfile"
+    agent.write_text("#!/bin/sh\n")
+    hosts = [ProfileHost(f"mlxlp{i}", f"10.79.8.{i}", 2, (f"mlxlp-{i}",)) for i in (1, 2, 3)]
+    hostfile.write_text("".join(f"{h.ip} slots=2\n" for h in hosts))
+    ClusterProfile("mlxlp", tmp_path, hostfile, hosts, agent, "10.79.8.0/24").write()
+    r = _mlxrun("--simcluster", str(tmp_path), "--hosts", "mlxlp-3,1", "--dry-run", "--no-check")
+    assert r.returncode == 0, r.stderr
+    assert f"--hostfile {tmp_path / 'hostfile-1-3'} " in r.stdout and "-np 4" in r.stdout
+    assert f"plm_ssh_agent {agent}" in r.stdout and "btl_tcp_if_include 10.79.8.0/24" in r.stdout
+    assert (tmp_path / "hostfile-1-3").read_text() == "10.79.8.1 slots=2\n10.79.8.3 slots=2\n"
+    r = _mlxrun("--simcluster", str(tmp_path), "--hosts", "4", "--dry-run", "--no-check")
+    assert r.returncode == 2 and "--hosts 4: host '4' not in 1..3 of cluster mlxlp" in r.stderr
+    r = _mlxrun("--hostfile", str(hostfile), "--dry-run", "--no-check")
+    assert "belongs to simulated cluster 'mlxlp'" in r.stderr and f"plm_ssh_agent {agent}" in r.stdout
+    code = "import sys, mlxdist.launch.launcher; print(sorted(m for m in sys.modules if m.startswith('mlxdist.rig')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), timeout=60)
+    assert r.stdout.strip() == "[]", r.stderr
 
 
 @pytest.mark.cluster
@@ -126,7 +186,8 @@ def test_mlxrun_rehearses_on_a_simulated_cluster(tmp_path):
 
 
 def test_cleanup_kills_the_jobs_leftovers_and_nothing_else():
-    from mlxdist.launch.supervisor import Remote, cleanup_script, leftover_pattern
+    from mlxdist.launch.hosts import Remote
+    from mlxdist.launch.supervisor import cleanup_script, leftover_pattern
 
     sleeper = [sys.executable, "-X", "mlxdist_job={}", "-c", "import time; time.sleep(60)"]
     mine, other = (subprocess.Popen([a.format(t) for a in sleeper]) for t in ("c0ffee01", "c0ffee02"))
@@ -140,3 +201,39 @@ def test_cleanup_kills_the_jobs_leftovers_and_nothing_else():
         for p in (mine, other):
             p.kill()
             p.wait()
+
+
+def test_preflight_names_a_host_with_other_versions_and_a_pair_that_cannot_connect():
+    import json
+
+    from mlxdist.launch import preflight
+    from mlxdist.launch.hosts import LaunchError, Remote, Reply
+
+    reports = {
+        "studio": {"python": "3.12.4", "packages": {"mlx": "0.32.3", "mlxdist": "0.1.0"}, "reach": {"macbook": None}},
+        "macbook": {"python": "3.12.7", "packages": {"mlx": "0.31.0", "mlxdist": "0.1.0"},
+                    "reach": {"studio": "No route to host"}},
+    }
+
+    class Canned(Remote):  # stands in for ssh: each host answers with its report
+        def run(self, host, script, timeout):
+            return Reply(0, json.dumps(reports[host]) + "\n")
+
+    found = preflight.preflight(["studio", "macbook"], Canned(), "/env/bin/python", "/src")
+    assert "note: host 'macbook' has mlx 0.31.0, host 'studio' has 0.32.3; install the same versions" in found[0]
+    assert any(f.startswith("note: host 'macbook' runs Python 3.12.7, host 'studio' 3.12.4") for f in found)
+    with pytest.raises(LaunchError, match=r"^hostfile h: host 'macbook' cannot reach host 'studio' \(No route to host\)"):
+        preflight.check(["studio", "macbook"], Canned(), "/env/bin/python", "/src", "hostfile h")
+    reports["macbook"]["reach"] = {}
+    notes = preflight.check(["studio", "macbook"], Canned(), "/env/bin/python", "/src", "hostfile h")
+    assert [n.split(",")[0] for n in notes] == ["host 'macbook' has mlx 0.31.0", "host 'macbook' runs Python 3.12.7"]
+
+
+def test_preflight_on_this_machine_passes_and_a_missing_python_is_named(tmp_path):
+    from mlxdist.launch import preflight
+    from mlxdist.launch.hosts import Remote
+
+    local = Remote(local_names=frozenset({"localhost"}))
+    assert preflight.preflight(["localhost"], local, sys.executable, str(ROOT)) == []
+    found = preflight.preflight(["localhost"], local, str(tmp_path / "nope" / "python"), str(ROOT))
+    assert len(found) == 1 and "does not run there" in found[0] and "same path" in found[0]

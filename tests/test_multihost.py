@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, mpirun_path, namespace_cluster
+from helpers import ROOT, env, mpirun_path, namespace_cluster
 
 from mlxdist.rig.simcluster import SimCluster
 
@@ -266,9 +266,12 @@ def _assert_saved_stop(out: Path, n: int, first: int = 3) -> None:
     assert step >= first and (out / "checkpoints" / f"step_{step:08d}" / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize("host", [2, 3])
-def test_lost_host_is_a_failure(cluster3: SimCluster, tmp_path: Path, host: int) -> None:
-    job = _mlxrun_job(cluster3, tmp_path)
+ENGINE_ARGS = {"mlx": (), "torch": ("--engine", "torch", "--device", "cpu")}
+
+
+@pytest.mark.parametrize("host, engine", [(2, "mlx"), (3, "mlx"), (2, "torch")])
+def test_lost_host_is_a_failure(cluster3: SimCluster, tmp_path: Path, host: int, engine: str) -> None:
+    job = _mlxrun_job(cluster3, tmp_path, *ENGINE_ARGS[engine])
     try:
         _until_steps(job, tmp_path)
         assert cluster3.kill(host) >= 1
@@ -281,8 +284,26 @@ def test_lost_host_is_a_failure(cluster3: SimCluster, tmp_path: Path, host: int)
     assert _leftovers(cluster3) == {}
 
 
-def test_ctrl_c_to_mlxrun_saves_at_one_step(cluster3: SimCluster, tmp_path: Path) -> None:
-    job = _mlxrun_job(cluster3, tmp_path)
+def test_preflight_names_two_hosts_that_cannot_reach_each_other(cluster3: SimCluster, tmp_path: Path) -> None:
+    """Host 3's cable is out: the launching machine still reaches it through the stand-in (as
+    over another interface), but hosts 1 and 2 cannot. mlxrun says so before mpirun hangs."""
+    cluster3.cut(3)
+    try:
+        r = subprocess.run([*MLXRUN, "--simcluster", str(cluster3.state_dir), "--dry-run", "--",
+                            *_train_args(tmp_path)], capture_output=True, text=True, timeout=120, env=env())
+    finally:
+        cluster3.heal(3)
+    assert r.returncode == 2, r.stdout + r.stderr
+    ip3 = cluster3.ip(3)
+    assert f"host '{cluster3.ip(1)}' cannot reach host '{ip3}'" in r.stderr, r.stderr
+    r = subprocess.run([*MLXRUN, "--simcluster", str(cluster3.state_dir), "--dry-run", "--", *_train_args(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env=env())
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("engine", ["mlx", "torch"])
+def test_ctrl_c_to_mlxrun_saves_at_one_step(cluster3: SimCluster, tmp_path: Path, engine: str) -> None:
+    job = _mlxrun_job(cluster3, tmp_path, *ENGINE_ARGS[engine])
     try:
         _until_steps(job, tmp_path)
         job.proc.send_signal(signal.SIGINT)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from helpers import ROOT, env, run_train
 
-from mlxdist.launch.launcher import read_hostfile
+from mlxdist.launch.hosts import read_hostfile
 
 STEPS = 40
 PLOTS = ("loss.png", "throughput.png", "shares.png", "timing.png")
@@ -171,7 +171,7 @@ def test_scrape_config_bad_hostfile(tmp_path):
 
 def _defined_metrics() -> set[str]:
     """Names as exposed: prometheus_client appends _total to counters and _info to Info."""
-    src = (ROOT / "mlxdist" / "metrics.py").read_text()
+    src = (ROOT / "mlxdist" / "telemetry" / "metrics.py").read_text()
     names: set[str] = set()
     for kind, name in re.findall(r'(Counter|Info|counter|gauge|hist|Gauge|Histogram)\(\s*"(mlxdist_\w+)"', src):
         if kind.lower() == "counter":

@@ -59,6 +59,21 @@ def test_a_step_event_sets_the_step_series(tmp_path):
     assert [s.value for s in _samples(metrics, "mlxdist_sync_bytes") if s.name.endswith("_total")] == [4096.0]
 
 
+def test_a_task_step_is_counted_in_its_unit_and_an_empty_step_is_counted(tmp_path):
+    report, metrics = _reporter(tmp_path)
+    fields = dict(step=1, loss=2.5, lr=1e-3, grad_norm=0.7, step_s=0.2, sync_s=0.01, sync_bytes=0, data_wait_s=0.0,
+                  micro_batch=8, accum=1, samples=8, memory_active_bytes=1, memory_peak_bytes=2, memory_limit_bytes=3,
+                  unit="frames", units=93, units_per_s=465.0, cluster_units_per_s=930.0)
+    report.emit("step", **fields)
+    report.emit("empty_step", "step 1: the task's count was 0 on every rank; update skipped", step=1)
+    report.close()
+    units = {(s.labels["unit"], s.name): s.value for s in _samples(metrics, "mlxdist_units")}
+    assert units == {("frames", "mlxdist_units_total"): 93.0}
+    assert [s.value for s in _samples(metrics, "mlxdist_units_per_second")] == [465.0]
+    assert [s.value for s in _samples(metrics, "mlxdist_tokens") if s.name.endswith("_total")] == [0.0]
+    assert [s.value for s in _samples(metrics, "mlxdist_empty_steps") if s.name.endswith("_total")] == [1.0]
+
+
 def test_an_outer_sync_sets_the_diloco_series(tmp_path):
     report, metrics = _reporter(tmp_path)
     for seconds in (0.5, 0.7):

@@ -162,9 +162,10 @@ def _descends_from(pid: int, ancestor: int) -> bool:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("n,frozen", [(2, 1), (2, 0), (3, 2), (3, 0)])
-def test_frozen_rank_is_named_by_the_others(tmp_path, n, frozen):
-    args = [*FAST, "train.steps=100000", "train.batch_size=2", "checkpoint.every=0",
+@pytest.mark.parametrize("n,frozen,engine", [(2, 1, "mlx"), (2, 0, "mlx"), (3, 2, "mlx"), (3, 0, "mlx"),
+                                             (2, 1, "torch")])
+def test_frozen_rank_is_named_by_the_others(tmp_path, n, frozen, engine):
+    args = [*(("--engine", "torch", "--device", "cpu") if engine == "torch" else ()), *FAST, "train.steps=100000", "train.batch_size=2", "checkpoint.every=0",
             "dist.sync_weights_every=0", f"dist.stall_timeout_s={STALL_S}", f"train.out_dir={tmp_path}"]
     proc = subprocess.Popen(train_command(args, n), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env())

@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mlxdist.config import Config  # noqa: E402
+from mlxdist.engine.base import local_step  # noqa: E402
 from mlxdist.engine.torch_engine import (  # noqa: E402
     TorchEngine,
-    check_single_node,
     compile_enabled,
     select_device,
 )
@@ -122,7 +122,7 @@ def test_engine_trains_and_samples() -> None:
     for _ in range(30):
         eng.micro_step(toks[:2])
         eng.micro_step(toks[2:])  # accumulation: two micro-batches per step
-        st = eng.step(3e-3)
+        st = local_step(eng, 3e-3)
         assert not st.skipped and st.tokens == 4 * 32
         losses.append(st.loss)
     assert losses[-1] < 0.5 * losses[0], losses
@@ -140,13 +140,13 @@ def test_nonfinite_step_is_skipped() -> None:
     before = eng.get_weights()
     eng.micro_step(_tokens(2, 9, SMALLER.vocab_size, 0))
     eng._params[0].grad[0, 0] = float("nan")
-    st = eng.step(1e-2)
+    st = local_step(eng, 1e-2)
     assert st.skipped
     after = eng.get_weights()
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert eng.get_optimizer_state()[1] == 0
     eng.micro_step(_tokens(2, 9, SMALLER.vocab_size, 0))  # accumulators were reset
-    assert not eng.step(1e-2).skipped
+    assert not local_step(eng, 1e-2).skipped
 
 
 # ------------------------------------------------------------- AdamW contract
@@ -204,7 +204,7 @@ def test_adamw_matches_reference_formula() -> None:
         )
         eng.micro_step(toks[:1])
         eng.micro_step(toks[1:])
-        st = eng.step(lr)
+        st = local_step(eng, lr)
         assert ref_norm > hp["grad_clip"]  # clipping is exercised
         assert abs(st.grad_norm - ref_norm) < 1e-4 * ref_norm
     got = eng.get_weights()
@@ -222,7 +222,7 @@ def test_optimizer_state_round_trip() -> None:
     a = TorchEngine(cfg, "cpu", SMALLER)
     for i in range(2):
         a.micro_step(_tokens(2, 9, SMALLER.vocab_size, i))
-        a.step(1e-2)
+        local_step(a, 1e-2)
     state, step = a.get_optimizer_state()
     assert step == 2 and set(state) == {f"{p}.{n}" for p in "mv" for n in param_shapes(SMALLER)}
 
@@ -234,7 +234,7 @@ def test_optimizer_state_round_trip() -> None:
     last = _tokens(2, 9, SMALLER.vocab_size, 99)
     for eng in (a, b):
         eng.micro_step(last)
-    sa, sb = a.step(1e-2), b.step(1e-2)
+    sa, sb = local_step(a, 1e-2), local_step(b, 1e-2)
     assert sa.loss_sum == sb.loss_sum and sa.grad_norm == sb.grad_norm
     wa, wb = a.get_weights(), b.get_weights()
     for k in wa:
@@ -269,18 +269,14 @@ def test_device_selection() -> None:
         select_device("tpu")
 
 
-def test_single_node_only() -> None:
-    check_single_node(1, "cpu")
-    with pytest.raises(RuntimeError, match=r"single-node.*--engine mlx"):
-        check_single_node(2, "cuda")
-    with pytest.raises(RuntimeError, match=r"MLX engine.*mpirun -np 3"):
-        check_single_node(3, "mps")
+def test_torch_ranks_refuse_an_mlx_backend() -> None:
+    from mlxdist.config import ConfigError
+    from mlxdist.engine import make_world
 
-
-def test_mpirun_launch_is_refused(monkeypatch) -> None:
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="single-node"):
-        TorchEngine(_cfg(), "cpu", SMALLER)
+    cfg = _cfg()
+    cfg.dist.backend = "mlx-ring"
+    with pytest.raises(ConfigError, match="dist.backend=mlx-ring: the torch engine sums its gradients over mpi4py"):
+        make_world("torch", cfg, "cpu")
 
 
 def test_disable_compile(monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""`python -m mlxdist.bench {overhead,allreduce,balance,diloco,load,finetune}`: speed claims, measured as ratios.
+"""`python -m mlxdist.bench {overhead,allreduce,torchddp,balance,diloco,load,finetune}`: speed claims, measured as ratios.
 
 Every benchmark runs its baseline in the same process run, interleaved, because these
 machines are noisy: only ratios measured side by side mean anything.
@@ -12,7 +12,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m mlxdist.bench {overhead,allreduce,balance,diloco,load,finetune} [options]")
+        print("usage: python -m mlxdist.bench {overhead,allreduce,torchddp,balance,diloco,load,finetune} [options]")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     try:
@@ -30,6 +30,10 @@ def _run(name: str, rest: list[str]) -> int:
         from .overhead import overhead
 
         return overhead(rest)
+    if name == "torchddp":
+        from .torchddp import main as torchddp_main
+
+        return torchddp_main(rest)
     if name == "allreduce":
         from .allreduce import main as allreduce_main
 

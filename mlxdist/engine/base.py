@@ -1,9 +1,12 @@
 """The contract between the training loop and an engine (MLX or PyTorch).
 
-Everything crossing it is numpy or plain Python, so data, checkpoints and controllers
-never import a framework, and `train.py` never asks which engine it has. Gradients are of
-the *summed* token loss: the engine divides by the cluster's trained-token count once,
-which is what makes unequal per-rank batches (and masked prompts) exact.
+An engine does the math of one rank and nothing else: forward/backward of a micro-batch,
+an update from given gradients, weights and optimizer state in and out, memory readings.
+It knows no ranks: the sync strategy (`sync/`) takes its local gradients, exchanges them
+and hands back the sums. Weights and state cross as numpy or plain Python, so data,
+checkpoints and controllers never import a framework. Gradients are of the *summed* loss:
+the engine divides by the cluster's unit count once, which is what makes unequal per-rank
+batches (and masked prompts) exact.
 """
 
 from __future__ import annotations
@@ -15,8 +18,18 @@ from typing import Protocol
 
 import numpy as np
 
-from ..data.batch import TokenBatch
+from ..tasks import Batch, TaskError
 from .memory import MemoryReading
+
+
+@dataclass
+class LocalGradients:
+    """What one rank accumulated since the last update: gradients of its summed loss (engine
+    arrays, in parameter-name order), that sum, and the units it covers."""
+
+    arrays: list
+    loss_sum: float
+    count: int
 
 
 @dataclass
@@ -27,7 +40,9 @@ class StepStats:
     skipped: bool  # True when loss or gradients were non-finite and no update was made
     sync_seconds: float = 0.0
     sync_bytes: int = 0
-    local: bool = False  # dist.mode=diloco: loss, tokens and norm are this rank's own
+    sync_overlapped: int = 0  # gradient buckets sent while backward still ran
+    local: bool = False  # loss, tokens and norm are this rank's own (no exchange this step)
+    why_skipped: str = "non-finite loss/gradients"
 
 
     @property
@@ -42,17 +57,21 @@ class Engine(Protocol):
     base_fingerprint: str | None  # of a pretrained base (every rank must train the same one)
 
     # -- the step ------------------------------------------------------------------
-    def micro_step(self, batch: TokenBatch) -> None:
+    def micro_step(self, batch: Batch) -> None:
         """Forward+backward; gradients accumulate until `step`."""
 
-    def step(self, lr: float) -> StepStats:
-        """Average accumulated gradients over all ranks' trained tokens, clip, apply AdamW."""
+    def take_gradients(self) -> LocalGradients:
+        """This rank's accumulated gradients; the accumulators start afresh."""
+
+    def apply_gradients(self, grads: list, loss_sum: float, count: int, lr: float) -> StepStats:
+        """Divide the (summed) gradients by `count`, check they are finite, clip, apply AdamW.
+        A non-finite loss or norm skips the update (`StepStats.skipped`)."""
 
     def discard_gradients(self) -> None:
         """Forget gradients accumulated since the last `step` (retry after out-of-memory)."""
 
-    def eval_loss(self, batch: TokenBatch) -> tuple[float, int]:
-        """(summed loss, trained-token count) without touching gradients."""
+    def eval_loss(self, batch: Batch) -> tuple[float, int]:
+        """(summed loss, unit count) without touching gradients, the model in eval mode."""
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """fp32 logits [b, T, vocab] for int32 tokens [b, T]."""
@@ -73,10 +92,6 @@ class Engine(Protocol):
 
     def set_optimizer_state(self, state: dict[str, np.ndarray], step: int) -> None: ...
 
-    def broadcast_state(self, root: int = 0) -> None:
-        """Make weights, moments and the update count on every rank equal `root`'s
-        (no-op on one rank)."""
-
     def weight_checksum(self) -> int:
         """Bit-exact fingerprint of this rank's weights (equal on all ranks iff they agree)."""
 
@@ -95,9 +110,40 @@ class Engine(Protocol):
     def describe(self) -> str:
         """One banner line: framework, device, precision, speed settings."""
 
-    # -- fault-injection seams (tests only) ------------------------------------------
-    def poison_loss(self) -> None:
-        """Make this step's loss non-finite, as a numerical blow-up would."""
 
-    def perturb_weights(self, eps: float = 1e-3) -> None:
-        """Make this rank's weights differ, as a silent drift would."""
+def local_step(engine: Engine, lr: float) -> StepStats:
+    """One rank's update from its own gradients alone (a one-rank run, a reference in tests)."""
+    g = engine.take_gradients()
+    stats = engine.apply_gradients(g.arrays, g.loss_sum, g.count, lr)
+    stats.local = True
+    return stats
+
+
+def nothing_to_learn(loss_sum: float) -> StepStats:
+    """A step whose batches covered no unit anywhere (e.g. every answer masked): no update,
+    rather than a division by zero."""
+    return StepStats(loss_sum, 0, 0.0, skipped=True, why_skipped="the task's count was 0 on every rank")
+
+
+def as_batch(batch) -> Batch:
+    """A task's Batch as it is; a bare token array or TokenBatch (tools, tests, the built-in
+    LM's generation) as the built-in LM's batch."""
+    if isinstance(batch, Batch):
+        return batch
+    from ..tasks.lm import lm_batch_data, lm_count
+
+    data = lm_batch_data(batch)
+    return Batch(np.arange(len(data["tokens"])), data, lm_count(data))
+
+
+def check_scalar(loss, task: str):
+    """The task's loss as a 0-d array/tensor, or one line saying what it returned instead."""
+    numel = getattr(loss, "numel", None)
+    n = numel() if callable(numel) else getattr(loss, "size", None)
+    if not isinstance(n, int):
+        raise TaskError(f"task {task}: loss(model, batch) returned {type(loss).__name__}, not an array or tensor "
+                        "of the framework (return the summed loss, e.g. losses.sum())")
+    if n != 1:
+        raise TaskError(f"task {task}: loss(model, batch) returned shape {tuple(loss.shape)}, not a scalar; "
+                        "return the sum of the per-unit losses (e.g. losses.sum())")
+    return loss.reshape(())

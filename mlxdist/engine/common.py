@@ -12,8 +12,6 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..data.batch import TokenBatch
-
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -35,10 +33,6 @@ def check_weights(expected: Mapping[str, tuple[int, ...]], weights: Mapping[str,
     for name, shape in expected.items():
         if tuple(weights[name].shape) != tuple(shape):
             raise ValueError(f"{what}: {name} has shape {tuple(weights[name].shape)}, model has {tuple(shape)}")
-
-
-def as_batch(batch: TokenBatch | np.ndarray) -> TokenBatch:
-    return batch if isinstance(batch, TokenBatch) else TokenBatch(np.asarray(batch, np.int32))
 
 
 def sample_tokens(next_logits: Callable[[list[int]], np.ndarray], prompt: list[int], max_new: int,

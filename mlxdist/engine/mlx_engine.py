@@ -1,4 +1,4 @@
-"""The MLX engine: one rank's forward/backward, gradient sync, and AdamW update.
+"""The MLX engine: one rank's forward/backward and AdamW update.
 
 Master weights and AdamW moments stay fp32; with `model.dtype` bf16/fp16 the forward pass
 runs on a cast copy, and the cast's gradient brings fp32 gradients back for free. Only the
@@ -9,23 +9,21 @@ and saved; a frozen base stays inside the module.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
 from ..config import Config
-from ..data.batch import TokenBatch
-from ..dist.collective import Collective
-from ..dist.world import World
-from ..models.build import BuiltModel
-from ..sync.grad import GradSync, SyncStats
-from .base import StepStats
-from .common import as_batch, check_weights, checksum, decays, sample_tokens
-from .memory import MemoryReading, with_override
+from ..models.build import built_from_task
+from ..tasks import Task, TaskContext, tree_map
+from ..tasks.lm import lm_model
+from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
+from .common import check_weights, checksum, decays, sample_tokens
+from .memory import MemoryReading, mlx_memory_limit, with_override
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -33,15 +31,16 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 class MLXEngine:
     name = "mlx"
 
-    def __init__(self, built: BuiltModel, cfg: Config, world: World | None = None,
-                 collective: Collective | None = None):
+    def __init__(self, cfg: Config, task: Task | None = None, args=None):
+        """`task` defaults to the built-in LM of `cfg`; `args` overrides its preset's shape (tests)."""
         self.cfg = cfg
-        self.world = world or World()
-        self.collective = collective or Collective()
-        self.sync = GradSync(self.collective, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
-        self.local_steps = cfg.dist.mode == "diloco"
         self.device = str(mx.default_device())
         self.compute_dtype = DTYPES[cfg.model.dtype]
+        task = task or lm_model(cfg, args)
+        self.task_loss, self.task_name = task.loss, task.name
+        mx.random.seed(cfg.train.seed)  # a model initialised without a seed still starts the same every run
+        built = built_from_task(task.build(TaskContext("mlx", self.device, cfg.train.seed, cfg)), "mlx", None,
+                                task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.names = sorted(built.params)
@@ -61,10 +60,11 @@ class MLXEngine:
         self.model.update(tree_unflatten(list(params.items())))
         return self.model(inputs).astype(mx.float32)
 
-    def _loss(self, params: dict[str, mx.array], inputs: mx.array, targets: mx.array,
-              mask: mx.array | None) -> mx.array:
-        losses = nn.losses.cross_entropy(self._forward(params, inputs), targets, reduction="none")
-        return (losses * mask).sum() if mask is not None else losses.sum()
+    def _loss(self, params: dict[str, mx.array], batch) -> mx.array:
+        if self.compute_dtype != mx.float32:
+            params = {k: v.astype(self.compute_dtype) for k, v in params.items()}
+        self.model.update(tree_unflatten(list(params.items())))
+        return check_scalar(self.task_loss(self.model, batch), self.task_name).astype(mx.float32)
 
     def _adamw_update(self, params, m, v, grads, scalars):
         lr, bc1, bc2, coef = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -83,10 +83,8 @@ class MLXEngine:
         return out_p, out_m, out_v
 
     @staticmethod
-    def _arrays(batch: TokenBatch) -> tuple[mx.array, mx.array, mx.array | None]:
-        tokens = mx.array(batch.tokens)
-        mask = None if batch.mask is None else mx.array(batch.mask.astype(np.float32))
-        return tokens[:, :-1], tokens[:, 1:], mask
+    def _arrays(data):
+        return tree_map(lambda a: mx.array(a.astype(np.float32) if a.dtype == np.float64 else a), data)
 
     # -- the step ---------------------------------------------------------------------
     def _reset_accumulators(self) -> None:
@@ -94,33 +92,31 @@ class MLXEngine:
         self._loss_sum = mx.array(0.0)
         self._tokens = 0
 
-    def micro_step(self, batch: TokenBatch | np.ndarray) -> None:
+    def micro_step(self, batch) -> None:
         batch = as_batch(batch)
-        loss, grads = self._value_and_grad(self.params, *self._arrays(batch))
+        loss, grads = self._value_and_grad(self.params, self._arrays(batch.data))
         if self._grads is None:
             self._grads = grads
         else:
             self._grads = {k: self._grads[k] + grads[k] for k in grads}
         self._loss_sum = self._loss_sum + loss
-        self._tokens += batch.trained_tokens
+        self._tokens += batch.count
         mx.eval(self._grads, self._loss_sum)
 
-    def step(self, lr: float) -> StepStats:
+    def take_gradients(self) -> LocalGradients:
         if self._grads is None:
-            raise RuntimeError("step() without micro_step(): no gradients to apply")
-        if self.local_steps:  # this rank alone: no collective, so no rank waits for another
-            grads, norm, sync = self._local_gradients()
-            loss_sum, tokens, reported = self._loss_sum.item(), self._tokens, norm
-        else:
-            self.world.rendezvous("waiting for the other ranks to finish computing")
-            grads, sync = self.sync.all_sum([self._grads[n] for n in self.names])
-            loss_sum, tokens = self.world.allreduce_sum([self._loss_sum.item(), self._tokens])
-            grads = [g * (1.0 / max(tokens, 1)) for g in grads]
-            norm = reported = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
+            raise RuntimeError("take_gradients() without micro_step(): no gradients to apply")
+        out = LocalGradients([self._grads[n] for n in self.names], self._loss_sum.item(), self._tokens)
         self._reset_accumulators()
-        stats = StepStats(loss_sum, int(tokens), reported, skipped=False,
-                          sync_seconds=sync.seconds, sync_bytes=sync.bytes, local=self.local_steps)
-        if not (math.isfinite(loss_sum) and math.isfinite(reported)):
+        return out
+
+    def apply_gradients(self, grads: list[mx.array], loss_sum: float, count: int, lr: float) -> StepStats:
+        if count <= 0:
+            return nothing_to_learn(loss_sum)
+        grads = [g * (1.0 / max(count, 1)) for g in grads]
+        norm = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
+        stats = StepStats(loss_sum, int(count), norm, skipped=False)
+        if not (math.isfinite(loss_sum) and math.isfinite(norm)):
             stats.skipped = True
             return stats
         clip = self.cfg.train.grad_clip
@@ -136,20 +132,17 @@ class MLXEngine:
         self.opt_step = t
         return stats
 
-    def _local_gradients(self) -> tuple[list[mx.array], float, SyncStats]:
-        """dist.mode=diloco: this rank's own gradient, averaged over its own tokens; the
-        ranks meet only in the outer step."""
-        grads = [self._grads[n] * (1.0 / max(self._tokens, 1)) for n in self.names]
-        norm = math.sqrt(mx.stack([mx.sum(mx.square(g)) for g in grads]).sum().item())
-        return grads, norm, SyncStats()
-
     def discard_gradients(self) -> None:
         self._reset_accumulators()
 
-    def eval_loss(self, batch: TokenBatch | np.ndarray) -> tuple[float, int]:
+    def eval_loss(self, batch) -> tuple[float, int]:
         batch = as_batch(batch)
-        loss = self._loss(self.params, *self._arrays(batch))
-        return loss.item(), batch.trained_tokens
+        self.model.eval()
+        try:
+            loss = self._loss(self.params, self._arrays(batch.data)).item()
+        finally:
+            self.model.train()
+        return loss, batch.count
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         return np.array(self._forward(self.params, mx.array(tokens)))
@@ -179,19 +172,6 @@ class MLXEngine:
         self.v = {n: mx.array(state[f"v.{n}"]) for n in self.names}
         self.opt_step = int(step)
 
-    def broadcast_state(self, root: int = 0) -> None:
-        if self.collective.size == 1:
-            return
-        k = len(self.names)
-        arrays = [self.params[n] for n in self.names] + [self.m[n] for n in self.names] + \
-                 [self.v[n] for n in self.names] + [mx.array([float(self.opt_step)])]
-        out = self.collective.broadcast(arrays, root)
-        self.params = dict(zip(self.names, out[:k], strict=True))
-        self.m = dict(zip(self.names, out[k : 2 * k], strict=True))
-        self.v = dict(zip(self.names, out[2 * k : 3 * k], strict=True))
-        mx.eval(self.params, self.m, self.v)
-        self.opt_step = int(out[-1].item())
-
     def weight_checksum(self) -> int:
         return checksum(np.array(self.params[n]) for n in self.names)
 
@@ -206,9 +186,13 @@ class MLXEngine:
 
     # -- machine ----------------------------------------------------------------------
     def memory(self) -> MemoryReading:
-        # On a Mac the limit is Metal's recommended working set; on Linux, about the RAM.
-        return with_override(MemoryReading(mx.get_active_memory(), mx.get_peak_memory(),
-                                           mx.get_memory_limit()))
+        return with_override(MemoryReading(mx.get_active_memory(), mx.get_peak_memory(), self._limit()[0]))
+
+    @staticmethod
+    def _limit() -> tuple[int, str]:
+        """On a Mac Metal's recommended working set (MLX's own limit is ~1.5x that, into
+        GPU paging); on Linux, about the RAM."""
+        return mlx_memory_limit(mx.device_info(), mx.get_memory_limit(), sys.platform)
 
     def reset_peak(self) -> None:
         mx.reset_peak_memory()
@@ -219,12 +203,4 @@ class MLXEngine:
     def describe(self) -> str:
         from ..blas import status
 
-        return f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}"
-
-    # -- fault-injection seams ---------------------------------------------------------
-    def poison_loss(self) -> None:
-        self._loss_sum = self._loss_sum + float("nan")
-
-    def perturb_weights(self, eps: float = 1e-3) -> None:
-        first = self.names[0]
-        self.params[first] = self.params[first] + eps
+        return f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}; {self._limit()[1]}"

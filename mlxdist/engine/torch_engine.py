@@ -1,4 +1,4 @@
-"""Single-node PyTorch engine (CUDA, MPS or CPU) with the MLX engine's exact step contract.
+"""PyTorch engine (MPS, CUDA or CPU), one per rank, with the MLX engine's exact step contract.
 
 Why it exists: the same config and checkpoints can be trained on an NVIDIA box or a
 single Mac through torch, and compared number-for-number with the MLX engine. For that
@@ -26,15 +26,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..config import Config
-from ..data.batch import TokenBatch
-from ..models.build import build_torch
+from ..models.build import built_from_task
 from ..models.presets import ModelArgs
-from .base import StepStats
-from .common import as_batch, check_weights, checksum, decays, sample_tokens
-from .memory import MemoryReading, process_reading, with_override
+from ..tasks import Batch, Task, TaskContext, tree_map
+from ..tasks.lm import lm_model
+from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
+from .common import check_weights, checksum, decays, sample_tokens
+from .memory import MemoryReading, mps_reading, process_reading, with_override
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,8 +65,9 @@ def _mps_missing_reason() -> str:
     return "MPS is built but unavailable (needs macOS 12.3+ on Apple Silicon); use --device cpu"
 
 
-def select_device(requested: str) -> tuple[str, str]:
-    """(device, reason) for `--device`; auto prefers cuda > mps > cpu.
+def select_device(requested: str, local_rank: int = 0) -> tuple[str, str]:
+    """(device, reason) for `--device`; auto prefers cuda > mps > cpu. Under mpirun, auto
+    and `cuda` give each rank of a host its own GPU (cuda:LOCAL_RANK mod the GPU count).
 
     An explicit device that is missing is an error rather than a silent fallback: a run
     meant for a GPU that quietly lands on the CPU wastes hours before anyone notices.
@@ -74,13 +75,16 @@ def select_device(requested: str) -> tuple[str, str]:
     req = (requested or "auto").strip().lower()
     if req == "auto":
         if torch.cuda.is_available():
-            return "cuda", f"auto: CUDA GPU found ({torch.cuda.get_device_name(0)})"
+            dev = f"cuda:{local_rank % torch.cuda.device_count()}"
+            return dev, f"auto: CUDA GPU found ({torch.cuda.get_device_name(dev)})"
         if torch.backends.mps.is_available():
             return "mps", "auto: no CUDA GPU; Apple MPS available"
         return "cpu", "auto: no CUDA GPU or Apple MPS visible to torch"
     if req == "cuda" or req.startswith("cuda:"):
         if not torch.cuda.is_available():
             raise RuntimeError(f"--device {req}: {_cuda_missing_reason()}")
+        if req == "cuda":
+            req = f"cuda:{local_rank % torch.cuda.device_count()}"
         if ":" in req:
             idx = req.split(":", 1)[1]
             if not idx.isdigit() or int(idx) >= torch.cuda.device_count():
@@ -96,34 +100,6 @@ def select_device(requested: str) -> tuple[str, str]:
     if req == "cpu":
         return "cpu", "requested"
     raise RuntimeError(f"--device {requested}: unknown device (use auto, cuda, cuda:N, mps or cpu)")
-
-
-def check_single_node(world_size: int, device: str) -> None:
-    """Refuse multi-process launches: this engine has no gradient all-reduce, so N ranks
-    would silently train N unrelated models."""
-    if world_size <= 1:
-        return
-    msg = f"the PyTorch engine is single-node, but {world_size} processes were launched"
-    if device.startswith("mps"):
-        msg += (
-            "; to train across several Macs use the MLX engine: "
-            f"mpirun -np {world_size} --hostfile hosts python -m mlxdist.train --engine mlx"
-        )
-    else:
-        msg += (
-            "; run one process (python -m mlxdist.train --engine torch), or for several Macs "
-            f"use the MLX engine: mpirun -np {world_size} --hostfile hosts python -m mlxdist.train --engine mlx"
-        )
-    raise RuntimeError(msg)
-
-
-def _launcher_world_size() -> int:
-    """World size announced by an MPI/torchrun launcher, 1 when started by hand."""
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return int(value)
-    return 1
 
 
 def compile_enabled(device: str) -> tuple[bool, str]:
@@ -159,11 +135,11 @@ class TorchEngine:
 
     name = "torch"
 
-    def __init__(self, cfg: Config, device: str = "auto", args: ModelArgs | None = None):
-        """`args` overrides the preset's shape (tests build odd sizes)."""
+    def __init__(self, cfg: Config, device: str = "auto", args: ModelArgs | None = None, task: Task | None = None,
+                 local_rank: int = 0):
+        """`task` defaults to the built-in LM of `cfg`; `args` overrides its preset's shape (tests)."""
         self.cfg = cfg
-        self.device, self.device_reason = select_device(device)
-        check_single_node(_launcher_world_size(), self.device)
+        self.device, self.device_reason = select_device(device, local_rank)
         self.device_type = self.device.split(":")[0]
         self.dev = torch.device(self.device)
 
@@ -176,7 +152,11 @@ class TorchEngine:
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
             torch.backends.cudnn.allow_tf32 = self.tf32
 
-        built = build_torch(cfg, self.dev, args)
+        task = task or lm_model(cfg, args)
+        self.task_loss, self.task_name = task.loss, task.name
+        ctx = TaskContext("torch", self.device, cfg.train.seed, cfg)
+        torch.manual_seed(cfg.train.seed)  # a model initialised without a seed still starts the same every run
+        built = built_from_task(task.build(ctx), "torch", self.dev, task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.model.train()
@@ -220,6 +200,7 @@ class TorchEngine:
                     f"{self.device_type} ({e}); use model.dtype=bfloat16"
                 ) from None
         self._scaler_ready = False
+        self._hooked, self._on_ready = False, None
         self.last_skip_overflow = False
         self._reset_accumulators()
 
@@ -228,27 +209,24 @@ class TorchEngine:
     def _reset_accumulators(self) -> None:
         self._loss_sum = torch.zeros((), device=self.dev, dtype=torch.float32)
         self._tokens = 0
+        self._micro_steps = 0
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.amp_dtype)
 
-    def _to_device(self, tokens: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(tokens)).long()
-        return t.to(self.dev, non_blocking=True)
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a, np.float32 if a.dtype == np.float64 else None))
+        # Non-blocking only on CUDA: on MPS a non-blocking copy from a temporary, unpinned
+        # tensor can hand the kernel corrupted data (PyTorch issues 139550, 189690).
+        return t.to(self.dev, non_blocking=self.device_type == "cuda")
 
-    def _summed_loss(self, forward, batch: TokenBatch) -> tuple[torch.Tensor, int]:
-        t = self._to_device(batch.tokens)
-        inputs, targets = t[:, :-1], t[:, 1:]
+    def _summed_loss(self, forward, batch: Batch) -> tuple[torch.Tensor, int]:
+        data = tree_map(self._to_device, batch.data)
         with self._autocast():
-            logits = forward(inputs)
-        losses = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-        )
-        if batch.mask is not None:
-            losses = losses * torch.from_numpy(batch.mask.reshape(-1).astype(np.float32)).to(self.dev)
-        return losses.sum(), batch.trained_tokens
+            loss = self.task_loss(forward, data)
+        return check_scalar(loss, self.task_name).float(), batch.count
 
     # ---------------------------------------------------------------- protocol
 
@@ -286,9 +264,6 @@ class TorchEngine:
         peft_model.save_pretrained(str(out_dir))
         return Path(out_dir)
 
-    def broadcast_state(self, root: int = 0) -> None:
-        """Single-node engine: one rank already holds the whole state."""
-
     def weight_checksum(self) -> int:
         return checksum(_to_numpy(p) for p in self._params)
 
@@ -296,15 +271,11 @@ class TorchEngine:
         if self.device_type == "cuda":
             return with_override(MemoryReading(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
                                                torch.cuda.get_device_properties(self.dev).total_memory))
-        return process_reading()
+        return mps_reading(torch.mps) if self.device_type == "mps" else process_reading()
 
     def reset_peak(self) -> None:
         if self.device_type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-
-    def perturb_weights(self, eps: float = 1e-3) -> None:
-        with torch.no_grad():
-            self._params[0].add_(eps)
 
     def _from_numpy(self, value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         """A fresh device tensor: `from_numpy` shares memory, and optimizer moments that
@@ -342,7 +313,7 @@ class TorchEngine:
                 "exp_avg_sq": self._from_numpy(_ours(name, state[f"v.{name}"]), p),
             }
 
-    def micro_step(self, batch: TokenBatch | np.ndarray) -> None:
+    def micro_step(self, batch) -> None:
         loss, n = self._summed_loss(self._forward, as_batch(batch))
         if self.scaler is not None:
             if not self._scaler_ready:
@@ -355,24 +326,40 @@ class TorchEngine:
             loss.backward()
         self._loss_sum += loss.detach()
         self._tokens += n
+        self._micro_steps += 1
 
-    def step(self, lr: float) -> StepStats:
-        if self._tokens == 0:
-            raise RuntimeError("TorchEngine.step() called before any micro_step()")
-        tokens = self._tokens
+    def take_gradients(self) -> LocalGradients:
+        if self._micro_steps == 0:
+            raise RuntimeError("TorchEngine.take_gradients() called before any micro_step()")
+        # A parameter this rank's batches did not reach has no gradient: zeros, so every rank
+        # hands the same list to the all-reduce.
+        out = LocalGradients([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params],
+                             float(self._loss_sum), self._tokens)
+        for p in self._params:  # the next micro_step starts a fresh sum; apply_gradients puts these back
+            p.grad = None
+        self._on_ready = None
+        self._reset_accumulators()
+        return out
+
+    def apply_gradients(self, grads: list[torch.Tensor], loss_sum: float, count: int, lr: float) -> StepStats:
+        if count <= 0:
+            self.opt.zero_grad(set_to_none=True)
+            return nothing_to_learn(loss_sum)
+        with torch.no_grad():
+            for p, g in zip(self._params, grads, strict=True):
+                if g is not None and g is not p.grad:  # sums handed back by the sync strategy
+                    p.grad = g.to(p.device).reshape(p.shape)
         grads = [p.grad for p in self._params if p.grad is not None]
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
-        torch._foreach_mul_(grads, 1.0 / tokens)
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        # One host sync per optimizer step (not per micro-step) for both checks.
-        loss_sum, grad_norm = (float(x) for x in torch.stack([self._loss_sum, norm.float()]).cpu())
+        torch._foreach_mul_(grads, 1.0 / max(count, 1))
+        grad_norm = float(torch.nn.utils.get_total_norm(grads, 2.0))
         finite = np.isfinite(loss_sum) and np.isfinite(grad_norm)
         self.last_skip_overflow = False
         if finite:
             clip = self.cfg.train.grad_clip
             if clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(self._params, clip, norm)
+                torch.nn.utils.clip_grads_with_norm_(self._params, clip, torch.tensor(grad_norm))
             for group in self.opt.param_groups:
                 group["lr"] = lr
             if self.scaler is not None:
@@ -386,17 +373,37 @@ class TorchEngine:
             self.last_skip_overflow = np.isfinite(loss_sum)
             self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
-        self._reset_accumulators()
-        return StepStats(loss_sum=loss_sum, tokens=tokens, grad_norm=grad_norm, skipped=not finite)
+        return StepStats(loss_sum=loss_sum, tokens=count, grad_norm=grad_norm, skipped=not finite)
 
     def discard_gradients(self) -> None:
         """Drop a half-accumulated step (after an out-of-memory), keeping weights and moments."""
+        self._on_ready = None  # the retry's early micro-batches must not look final
         self.opt.zero_grad(set_to_none=True)
         self._reset_accumulators()
 
-    def poison_loss(self) -> None:
-        """Test seam: make this step's loss non-finite, as a numerical blow-up would."""
-        self._loss_sum += float("nan")
+    # -- overlap: a sync strategy may start sending gradients while backward still runs ----
+    def backward_order(self) -> list[int]:
+        """Parameter indices (in `take_gradients` order) roughly as backward finishes them:
+        the reverse of the modules' registration order, as DDP assumes."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        order = [index[id(p)] for p in self.model.parameters() if id(p) in index][::-1]
+        return order + [i for i in range(len(self._params)) if i not in set(order)]
+
+    def gradient_sizes(self) -> list[int]:
+        return [p.numel() for p in self._params]
+
+    def gradient(self, i: int) -> torch.Tensor:
+        p = self._params[i]
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def on_gradient_ready(self, callback: Callable[[int], None] | None) -> None:
+        """`callback(i)` as soon as backward has finished parameter i's gradient (from then
+        until `take_gradients` or `discard_gradients`); None stops it."""
+        if not self._hooked:
+            for i, p in enumerate(self._params):
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_ready and self._on_ready(i))
+            self._hooked = True
+        self._on_ready = callback
 
     def clear_cache(self) -> None:
         if self.device_type == "cuda":
@@ -405,14 +412,18 @@ class TorchEngine:
             torch.mps.empty_cache()
 
     @torch.no_grad()
-    def eval_loss(self, batch: TokenBatch | np.ndarray) -> tuple[float, int]:
-        loss, n = self._summed_loss(self._forward, as_batch(batch))
+    def eval_loss(self, batch) -> tuple[float, int]:
+        self.model.eval()
+        try:
+            loss, n = self._summed_loss(self._forward, as_batch(batch))
+        finally:
+            self.model.train()
         return float(loss), n
 
     @torch.no_grad()
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         with self._autocast():
-            out = self.model(self._to_device(tokens))
+            out = self.model(self._to_device(tokens).long())
         return out.float().cpu().numpy()
 
     def sample(self, prompt: list[int], max_new: int, temperature: float = 0.8, seed: int = 0,

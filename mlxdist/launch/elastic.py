@@ -3,20 +3,15 @@
 `launch/mlxrun --elastic` restarts a failed job on the hosts that still answer. Every choice it
 makes is here, as plain functions of what it observed (the failed job's exit code and last
 step, each host's probe), so the policy is unit-tested without MPI, hosts or files; the
-orchestration that gathers the observations lives in `elastic_launch.py`.
+orchestration that gathers the observations lives in `elastic_run.py`.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..markers import Exit
-
-# Passed to every rank of a restarted job, so the counts survive in its metrics.
-RESTARTS_ENV = "MLXDIST_RESTARTS"
-LOST_STEPS_ENV = "MLXDIST_LOST_STEPS"
 
 # A failure that a restart on the survivors can cure. A rank that raised while every host
 # still answers (a bug, a bad file) would fail again: that ends the run instead.
@@ -145,28 +140,6 @@ class RejoinWatch:
 
     def stop_now(self, checkpoints_seen: int) -> bool:
         return self.back_at is not None and (self.immediate or checkpoints_seen > self.back_at)
-
-
-@dataclass(frozen=True)
-class RestartCounts:
-    """The supervisor's counts as a rank sees them (metrics `mlxdist_restarts_total`,
-    `mlxdist_lost_steps_total`): how often this job was restarted and how many steps were redone."""
-
-    restarts: int = 0
-    lost_steps: int = 0
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> RestartCounts:
-        def num(name: str) -> int:
-            try:
-                return max(0, int(env.get(name, "0")))
-            except ValueError:
-                return 0
-
-        return cls(num(RESTARTS_ENV), num(LOST_STEPS_ENV))
-
-    def env(self) -> list[str]:
-        return [f"{RESTARTS_ENV}={self.restarts}", f"{LOST_STEPS_ENV}={self.lost_steps}"]
 
 
 def restart_line(n: int, reason: str, restart: Restart, probes: Sequence[Probe]) -> str:

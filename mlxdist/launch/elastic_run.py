@@ -16,61 +16,35 @@ import json
 import os
 import secrets
 import shlex
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..markers import Exit
+from ..markers import Exit, RestartCounts
 from .elastic import (
     Copy,
     ElasticSettings,
     GiveUp,
     Probe,
     RejoinWatch,
-    RestartCounts,
     failure_reason,
     plan_restart,
     restart_args,
     restart_line,
     worth_restarting,
 )
-from .launcher import LOCAL_NAMES, Launch, check_host
-from .supervisor import Remote, Supervisor
+from .hosts import NETWORK_TIMEOUT_S, Remote, host_answers, network_problem
+from .plan import Launch
+from .supervisor import Supervisor
 
 PROBE_TIMEOUT_S = 60.0  # hashing a big checkpoint takes a while
-NETWORK_TIMEOUT_S = 3.0
 REJOIN_POLL_S = 2.0
 
 
 def _say(text: str) -> None:
     print(f"mlxrun: {text}", file=sys.stderr, flush=True)
-
-
-def network_problem(name: str, timeout: float = NETWORK_TIMEOUT_S) -> str | None:
-    """None if the host's address answers on the network (a TCP connect to its ssh port
-    succeeds or is refused), else why not. The namespace rig's ssh stand-in reaches a host
-    without the network, so a cut cable shows only here."""
-    try:
-        addr = socket.gethostbyname(name)
-    except OSError:
-        return "does not resolve"
-    if name in LOCAL_NAMES or addr.startswith("127."):
-        return None
-    try:
-        with socket.create_connection((addr, 22), timeout=timeout):
-            return None
-    except ConnectionRefusedError:
-        return None
-    except OSError as e:
-        return f"unreachable over the network ({e.strerror or e})"
-
-
-def host_answers(name: str, remote: Remote) -> bool:
-    return network_problem(name) is None and check_host(name, remote, timeout=5.0) is None
 
 
 @dataclass(frozen=True)
@@ -92,10 +66,8 @@ def probe_host(host: str, remote: Remote, target: ProbeTarget) -> Probe:
     why = network_problem(host)
     if why:
         return Probe(host, answered=False, why=why)
-    try:
-        r = subprocess.run(remote.command(host, target.script()), capture_output=True, text=True,
-                           timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
+    r = remote.run(host, target.script(), timeout=PROBE_TIMEOUT_S)
+    if r.returncode is None:
         return Probe(host, answered=False, why=f"no answer within {PROBE_TIMEOUT_S:.0f}s")
     lines = r.stdout.strip().splitlines()
     try:
@@ -103,8 +75,7 @@ def probe_host(host: str, remote: Remote, target: ProbeTarget) -> Probe:
     except json.JSONDecodeError:
         data = None
     if data is None:
-        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-        return Probe(host, answered=False, why=f"the checkpoint probe failed there ({last})")
+        return Probe(host, answered=False, why=f"the checkpoint probe failed there ({r.why})")
     newest = data.get("newest")
     copy = (Copy(host, newest["path"], int(newest["step"]), newest.get("global_batch"))
             if newest else None)

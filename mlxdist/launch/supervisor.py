@@ -24,24 +24,12 @@ from typing import TextIO
 
 from .. import markers
 from ..markers import Exit
+from .hosts import Remote
 
 # Open MPI's words for a host that went away. Only a hint for the exit code: whether the
 # run succeeded is decided by the completion record, never by this wording.
 LOST_HOST_HINTS = ("lost communication with a remote daemon", "daemon failed to report back",
                    "daemon has unexpectedly failed", "prted has died", "node has been lost")
-
-
-@dataclass
-class Remote:
-    """How to run a shell command on a job's host: ssh, or the namespace rig's stand-in."""
-
-    prefix: Sequence[str] = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5")
-    local_names: frozenset[str] = frozenset()
-
-    def command(self, host: str, script: str) -> list[str]:
-        if host in self.local_names:
-            return ["sh", "-c", script]
-        return [*self.prefix, host, script]
 
 
 def leftover_pattern(tag: str, mpirun_pid: int, mpirun_host: str) -> str:
@@ -198,17 +186,13 @@ class Supervisor:
         result: dict[str, str] = {}
 
         def one(host: str) -> None:
-            try:
-                r = subprocess.run(self.remote.command(host, script), capture_output=True, text=True,
-                                   timeout=15, stdin=subprocess.DEVNULL)
-                words = r.stdout.split()
-                if r.returncode == 0 and words[:1] == ["leftovers:"]:
-                    n = int(words[1])
-                    result[host] = f"removed {n} leftover process(es)" if n else ""
-                    return
-                why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-            except subprocess.TimeoutExpired:
-                why = "no answer in 15 s"
+            r = self.remote.run(host, script, timeout=15)
+            words = r.stdout.split()
+            if r.returncode == 0 and words[:1] == ["leftovers:"]:
+                n = int(words[1])
+                result[host] = f"removed {n} leftover process(es)" if n else ""
+                return
+            why = "no answer in 15 s" if r.returncode is None else r.why
             result[host] = (f"could not clean up ({why}); on {host} run: pkill -9 -f {shlex.quote(pattern)}")
 
         threads = [threading.Thread(target=one, args=(h,), daemon=True) for h in dict.fromkeys(self.hosts)]

@@ -143,3 +143,36 @@ def _pretrained_torch(cfg: Config, device: Any) -> BuiltModel:
         module.hf.gradient_checkpointing_enable()
     return BuiltModel(module, params, n_total, info.vocab_size, _pretrained_summary(info, n_total, banner),
                       info.fingerprint, info)
+
+
+def built_from_task(obj: Any, engine: str, device: Any, name: str) -> BuiltModel:
+    """What a task's `build` returned, as the engine holds it: a BuiltModel passes through
+    (the built-in LM); a user's module gives its trainable parameters by name."""
+    if isinstance(obj, BuiltModel):
+        return obj
+    if engine == "mlx":
+        import mlx.nn as nn
+        from mlx.utils import tree_flatten
+
+        if not isinstance(obj, nn.Module):
+            raise ConfigError(f"task {name}: build(ctx) returned {type(obj).__name__}, not an mlx.nn.Module "
+                              "(the MLX engine trains MLX modules; use --engine torch for a torch.nn.Module)")
+        obj.train()
+        params = dict(tree_flatten(obj.trainable_parameters()))
+        total = sum(v.size for _, v in tree_flatten(obj.parameters()))
+    else:
+        import torch
+
+        if not isinstance(obj, torch.nn.Module):
+            raise ConfigError(f"task {name}: build(ctx) returned {type(obj).__name__}, not a torch.nn.Module "
+                              "(the torch engine trains torch modules; use --engine mlx for an mlx.nn.Module)")
+        obj = obj.to(device)
+        obj.train()
+        params = {n: p for n, p in obj.named_parameters() if p.requires_grad}
+        total = sum(p.numel() for p in obj.parameters())
+    if not params:
+        raise ConfigError(f"task {name}: the model has no trainable parameters")
+    trained = sum(int(getattr(v, "size", 0) if engine == "mlx" else v.numel()) for v in params.values())
+    summary = f"model: {type(obj).__name__} from task {name}, {human(total)} parameters" + (
+        ", all trained" if trained == total else f", {human(trained)} trained")
+    return BuiltModel(obj, params, total, 0, summary)

@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from .pretrained import PretrainedError
+from .errors import PretrainedError
 
 # GGUF value types -> struct format (strings and arrays handled apart).
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import PretrainedError
+
 if TYPE_CHECKING:
     import mlx.nn
     import numpy as np
@@ -33,10 +35,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _GGUF_BITS = {2: 4, 3: 4, 8: 8}  # Q4_0, Q4_1, Q8_0
 _SAMPLES = 16
 _CHUNK = 1 << 16
-
-
-class PretrainedError(ValueError):
-    """A one-line, user-facing problem with a pretrained model path."""
 
 
 @dataclass(frozen=True)
@@ -212,23 +210,21 @@ def to_hf_state(weights: dict[str, np.ndarray], model_type: str) -> dict[str, np
     `transformer.h.0...` with Conv1D [in, out] weights; every other supported
     architecture already shares names and layouts.
     """
-    if model_type != "gpt2":
-        return dict(weights)
-    out = {}
-    for name, w in weights.items():
-        hf = "transformer." + name[len("model."):] if name.startswith("model.") else name
-        out[hf] = w.T if hf.endswith(_GPT2_TRANSPOSED) else w
-    return out
+    return _renamed(weights, model_type, "model.", "transformer.")
 
 
 def from_hf_state(weights: dict[str, np.ndarray], model_type: str) -> dict[str, np.ndarray]:
     """Inverse of `to_hf_state`."""
+    return _renamed(weights, model_type, "transformer.", "model.")
+
+
+def _renamed(weights: dict[str, np.ndarray], model_type: str, old: str, new: str) -> dict[str, np.ndarray]:
     if model_type != "gpt2":
         return dict(weights)
     out = {}
     for name, w in weights.items():
-        mx_name = "model." + name[len("transformer."):] if name.startswith("transformer.") else name
-        out[mx_name] = w.T if mx_name.endswith(_GPT2_TRANSPOSED) else w
+        name = new + name[len(old):] if name.startswith(old) else name
+        out[name] = w.T if name.endswith(_GPT2_TRANSPOSED) else w
     return out
 
 

@@ -31,7 +31,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-DEFAULT_STATE_ROOT = Path("/tmp/mlxdist-simcluster")
+from ..launch.hosts import HostEntry, hostfile_text
+from ..launch.profile import (
+    CLUSTERS_ROOT,
+    PROFILE_FILE,
+    ClusterProfile,
+    ProfileHost,
+    find_dir,
+    pointer,
+)
+
+# Where `launch/mlxrun --simcluster NAME` looks for a cluster by name.
+DEFAULT_STATE_ROOT = CLUSTERS_ROOT
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
 CGROUP_V2_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "mlxdist-simcluster"
@@ -241,6 +252,15 @@ class SimCluster:
     def state_file(self) -> Path:
         return self.state_dir / "state.json"
 
+    @property
+    def profile_file(self) -> Path:
+        return self.state_dir / PROFILE_FILE
+
+    def profile(self) -> ClusterProfile:
+        """What `launch/mlxrun` needs to launch onto this cluster (`up` writes it to launch.json)."""
+        hosts = [ProfileHost(h, self.ip(h), self.slots, (self.netns(h),)) for h in self.hosts]
+        return ClusterProfile(self.name, self.state_dir, self.hostfile, hosts, self.ssh_agent, self.cidr)
+
     def _index(self, host: str | int) -> int:
         """Accept what a user has at hand: a hostname, an IP, a netns name or 1..N."""
         if isinstance(host, int) or (isinstance(host, str) and host.isdigit()):
@@ -394,10 +414,9 @@ class SimCluster:
         # IPs in the hostfile: the root namespace (where mpirun runs) cannot resolve
         # the host names without editing the machine's /etc/hosts. The ranks still
         # see distinct hostnames, which is what Open MPI's node detection uses.
-        self.hostfile.write_text(
-            "".join(f"{self.ip(h)} slots={self.slots}\n" for h in self.hosts)
-        )
+        self.hostfile.write_text(hostfile_text(HostEntry(self.ip(h), self.slots) for h in self.hosts))
         self._write_agent()
+        self.profile().write()
 
     def _write_agent(self) -> None:
         # Replaced by rename: an mpirun starting now reads either the old or the new one.
@@ -491,13 +510,13 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
             with contextlib.suppress(OSError):
                 d.rmdir()
         subsets = list(self.state_dir.glob("hostfile-*")) if self.state_dir.is_dir() else []
-        for f in (self.hostfile, self.ssh_agent, self.hosts_file, self.state_file, *subsets):
+        for f in (self.hostfile, self.ssh_agent, self.hosts_file, self.state_file, self.profile_file, *subsets):
             with contextlib.suppress(OSError):
                 f.unlink()
         with contextlib.suppress(OSError):
-            target = Path(_pointer(self.name).read_text().strip())
+            target = Path(pointer(self.name).read_text().strip())
             if target == self.state_dir or not (target / "state.json").is_file():
-                _pointer(self.name).unlink()
+                pointer(self.name).unlink()
         self._is_up = False
 
     def _cgroup_leaves(self) -> list[Path]:
@@ -577,10 +596,7 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
 
     def subset_hostfile(self, hosts: Sequence[str | int]) -> Path:
         """A hostfile of some hosts, kept beside the full one (and removed by `down`)."""
-        idx = sorted(dict.fromkeys(self._index(h) for h in hosts))
-        path = self.state_dir / f"hostfile-{'-'.join(map(str, idx))}"
-        path.write_text("".join(f"{self.ip(i)} slots={self.slots}\n" for i in idx))
-        return path
+        return self.profile().subset_hostfile([self._index(h) for h in hosts])
 
     def host_command(self, host: str | int, argv: Sequence[str]) -> list[str]:
         """`argv` wrapped to run on `host` the way mpirun's daemons do: its netns,
@@ -759,7 +775,7 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         self.state_file.write_text(json.dumps(data, indent=1) + "\n")
         if self.state_dir.resolve() != (DEFAULT_STATE_ROOT / self.name).resolve():
             DEFAULT_STATE_ROOT.mkdir(parents=True, exist_ok=True)
-            _pointer(self.name).write_text(f"{self.state_dir}\n")
+            pointer(self.name).write_text(f"{self.state_dir}\n")
 
     @classmethod
     def load(cls, state_dir: str | os.PathLike[str]) -> SimCluster:
@@ -806,24 +822,10 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         ])
 
 
-def _pointer(name: str) -> Path:
-    """Where a cluster kept outside the default root leaves its address, so that
-    `mlxrun --simcluster NAME` finds it by name alone."""
-    return DEFAULT_STATE_ROOT / f"{name}.state-dir"
-
-
 def find_cluster(name_or_dir: str) -> SimCluster:
     """The cluster that is up under this name (default root, or a `--state-dir` it was
     made with) or in this state directory; a LookupError that says how to make one."""
-    candidates = [Path(name_or_dir)] if "/" in name_or_dir else []
-    candidates.append(DEFAULT_STATE_ROOT / name_or_dir)
-    if _NAME_RE.match(name_or_dir) and _pointer(name_or_dir).is_file():
-        candidates.append(Path(_pointer(name_or_dir).read_text().strip()))
-    for d in candidates:
-        if (d / "state.json").is_file():
-            return SimCluster.load(d)
-    raise LookupError(f"no simulated cluster '{name_or_dir}' (looked in "
-                      f"{', '.join(map(str, candidates))}); make one with `sudo launch/simcluster up --hosts 2`")
+    return SimCluster.load(find_dir(name_or_dir, "state.json"))
 
 
 # ----- CLI ------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 Layout of one checkpoint, `<dir>/step_00001200/`:
   model.safetensors.zst      fp32 weights by parameter name (shared by both engines)
   optimizer.safetensors.zst  AdamW moments `m.<name>`, `v.<name>`
+  sync.safetensors.zst       the sync strategy's shared arrays (DiLoCo's outer momentum), if any
   state.json                 step, sampler position, controllers, resolved config
   manifest.json              sha256 and size of each file above; written last
 
@@ -74,7 +75,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def write_synced(path: Path, data: bytes) -> None:
+    """Bytes on the disk, not in a cache, before the caller renames them into place."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -91,6 +93,15 @@ class RunState:
     plateau_scale: float = 1.0  # lowered by reduce-on-plateau
     eval_loss: float | None = None
     best_eval: float | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """From a checkpoint's flat state (unknown keys ignored, missing ones keep their value)."""
+        for f in fields(self):
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
 
 
 @dataclass
@@ -126,6 +137,7 @@ class Loaded:
     weights: dict[str, np.ndarray]
     optimizer: dict[str, np.ndarray]
     state: dict[str, Any]
+    sync: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def meta(self) -> CheckpointMeta:
@@ -142,7 +154,7 @@ def _signature(path: Path) -> tuple:
 
 
 def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
-         state: dict[str, Any], level: int = 3) -> Path:
+         state: dict[str, Any], level: int = 3, sync: dict[str, np.ndarray] | None = None) -> Path:
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -156,11 +168,13 @@ def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optim
         "optimizer.safetensors.zst": cctx.compress(to_safetensors(optimizer)),
         "state.json": json.dumps(state, indent=1, default=float).encode(),
     }
+    if sync:
+        files["sync.safetensors.zst"] = cctx.compress(to_safetensors(sync))
     for name, data in files.items():
-        _write_synced(tmp / name, data)
+        write_synced(tmp / name, data)
     manifest = {"step": step, "created": time.time(),
                 "files": {n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in files}}
-    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     if final.exists():  # same step saved again (e.g. final save right after a periodic one)
         old = root / f".old_step_{step:08d}_{os.getpid()}"
         final.rename(old)
@@ -220,12 +234,17 @@ def load(path: str | Path, verified: bool = False) -> Loaded:
     if problem:
         raise CheckpointError(f"checkpoint {p}: {problem}")
     dctx = zstandard.ZstdDecompressor()
-    return Loaded(
-        path=p,
-        weights=from_safetensors(dctx.decompress((p / "model.safetensors.zst").read_bytes())),
-        optimizer=from_safetensors(dctx.decompress((p / "optimizer.safetensors.zst").read_bytes())),
-        state=json.loads((p / "state.json").read_text()),
-    )
+
+    def arrays(name: str) -> dict[str, np.ndarray]:
+        f = p / f"{name}.safetensors.zst"
+        return from_safetensors(dctx.decompress(f.read_bytes())) if f.is_file() else {}
+
+    optimizer, sync = arrays("optimizer"), arrays("sync")
+    # Checkpoints from before the sync strategy had a file of its own kept it in the optimizer's.
+    legacy = [k for k in optimizer if k.startswith("outer.")]
+    sync.update({k[len("outer."):]: optimizer.pop(k) for k in legacy})
+    return Loaded(path=p, weights=arrays("model"), optimizer=optimizer,
+                  state=json.loads((p / "state.json").read_text()), sync=sync)
 
 
 def load_latest(directory: str | Path, warn=print) -> Loaded | None:

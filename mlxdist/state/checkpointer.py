@@ -17,8 +17,9 @@ import json
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -57,6 +58,36 @@ def newest_whole(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
     return None
 
 
+class Stateful(Protocol):
+    """A part of the run's checkpoint. One with `collective = True` gathers across ranks in
+    `state_dict`, so every rank calls it; the others are asked only where a copy is written."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON values for state.json, and dicts of numpy arrays for the files named by
+        their key (`model`, `optimizer`, `sync`)."""
+
+
+ARRAY_FILES = ("model", "optimizer", "sync")
+
+
+def gather_states(states: Mapping[str, Stateful], writes: bool = True
+                  ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
+    """Every part's state, split into array files and one flat JSON state; a key claimed by
+    two parts is a bug, caught here rather than by a resume that reads the wrong value."""
+    files: dict[str, dict[str, np.ndarray]] = {}
+    flat: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for part, obj in states.items():
+        if not (writes or getattr(obj, "collective", False)):
+            continue
+        for key, value in obj.state_dict().items():
+            if key in owner:
+                raise RuntimeError(f"checkpoint: '{key}' is claimed by both {owner[key]} and {part}")
+            owner[key] = part
+            (files if key in ARRAY_FILES else flat)[key] = value
+    return files, flat
+
+
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, *, host: str = "", rank: int = 0,
                  local_rank: int = 0):
@@ -87,11 +118,16 @@ class Checkpointer:
         path = newest_whole(self.run_dir, warn)
         return ckpt.load(path, verified=True) if path is not None else None
 
-    def save(self, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
-             meta: ckpt.CheckpointMeta) -> tuple[Path, float]:
-        """Write one checkpoint and apply retention; returns its path and the seconds taken."""
+    def save(self, step: int, states: Mapping[str, Stateful]) -> tuple[Path, float] | None:
+        """Gather the run's parts by name (on every rank: a part may gather across ranks),
+        then, where this rank writes, one checkpoint and its retention. Returns the path and
+        the seconds taken, or None on a rank that does not write."""
         t0 = time.perf_counter()
-        path = ckpt.save(self.write_dir, step, weights, optimizer, meta.to_dict(), self.cfg.zstd_level)
+        files, state = gather_states(states, self.writes)
+        if not self.writes:
+            return None
+        path = ckpt.save(self.write_dir, step, files.get("model", {}), files.get("optimizer", {}), state,
+                         self.cfg.zstd_level, sync=files.get("sync"))
         ckpt.apply_retention(self.write_dir, self.cfg.keep_last, self.cfg.keep_best)
         return path, time.perf_counter() - t0
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import from_safetensors, to_safetensors
+from .checkpoint import from_safetensors, to_safetensors, write_synced
 
 
 @dataclass
@@ -49,10 +49,7 @@ def save(root: Path, info: RankStateInfo, arrays: dict[str, np.ndarray], keep: i
     info.sha256 = hashlib.sha256(data).hexdigest()
     for path, blob in ((data_path, data), (info_path, json.dumps(asdict(info)).encode())):
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, blob)
         os.replace(tmp, path)
     _prune(root, info.rank, keep)
     return data_path

@@ -11,35 +11,13 @@ needed, large gradients skip the pack: on a slow-memory box the pack copy alone 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..dist.collective import Collective
+from .reducer import SyncStats, Unreduced, plan_buckets
 
 _WIRE = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-
-@dataclass
-class SyncStats:
-    seconds: float = 0.0
-    bytes: int = 0
-
-
-def plan_buckets(sizes: list[int], bucket_elems: int) -> list[list[int]]:
-    """Group consecutive arrays into buckets of at most `bucket_elems` (a large one stands alone)."""
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for i, n in enumerate(sizes):
-        if current and filled + n > bucket_elems:
-            buckets.append(current)
-            current, filled = [], 0
-        current.append(i)
-        filled += n
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class GradSync:
@@ -58,6 +36,9 @@ class GradSync:
         rest = [i for i in range(len(arrays)) if i not in set(alone)]
         packed = plan_buckets([arrays[i].size for i in rest], self.bucket_elems)
         return [[i] for i in alone] + [[rest[j] for j in b] for b in packed]
+
+    def arm(self, engine) -> None:
+        """MLX builds the whole backward graph lazily: there is nothing to overlap with."""
 
     def all_sum(self, arrays: list[mx.array]) -> tuple[list[mx.array], SyncStats]:
         if self.collective.size == 1:
@@ -84,3 +65,6 @@ class GradSync:
                 out[i] = flat[offset : offset + n].reshape(arrays[i].shape)
                 offset += n
         return out, stats
+
+
+__all__ = ["GradSync", "SyncStats", "Unreduced", "plan_buckets"]

@@ -36,10 +36,11 @@ class Progress:
         """On a terminal the line is redrawn every step; in a log file, every `every` steps."""
         self.total, self.enabled, self.stream, self.every = total, enabled, stream or sys.stderr, every
         self.tty = self.stream.isatty()
+        self.unit = "tokens"  # the task's
         self._start: float | None = None
         self._start_step = 0
 
-    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
+    def update(self, step: int, loss: float, units_per_s: float, extra: str = "") -> None:
         if not self.enabled:
             return
         now = time.time()
@@ -51,7 +52,7 @@ class Progress:
         width = 20
         filled = int(width * step / max(self.total, 1))
         bar = "#" * filled + "." * (width - filled)
-        line = (f"step {step}/{self.total} [{bar}] loss {loss:.4f} | {tokens_per_s / 1000:.1f}k tok/s"
+        line = (f"step {step}/{self.total} [{bar}] loss {loss:.4f} | {units_per_s / 1000:.1f}k {'tok' if self.unit == 'tokens' else self.unit}/s"
                 f" | eta {int(eta // 60)}m{int(eta % 60):02d}s{extra}")
         if self.tty:
             self.stream.write("\r" + line.ljust(100))

@@ -12,10 +12,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from .. import __version__
-from ..launch.elastic import RestartCounts
+from ..markers import RestartCounts
 
 # Event kind -> counter attribute, and -> (controller, default action) of a decision.
-_COUNTERS = {"skipped": "nonfinite", "rollback": "rollbacks", "drift_repair": "drift_repairs"}
+_COUNTERS = {"skipped": "nonfinite", "rollback": "rollbacks", "drift_repair": "drift_repairs",
+             "empty_step": "empty_steps"}
 _DECISIONS = {"oom": ("batch_size", "oom_shrink"), "memory": ("batch_size", "resize"),
               "balance": ("balancer", "resplit"), "plateau": ("plateau", "reduce_lr")}
 
@@ -58,6 +59,11 @@ class Metrics:
         self.data_wait = counter("mlxdist_data_wait_seconds", "Time the loop waited for data")
         self.checkpoint_seconds = hist("mlxdist_checkpoint_seconds", "Time to write a checkpoint")
         self.nonfinite = counter("mlxdist_nonfinite_steps", "Steps skipped for non-finite loss or grads")
+        self.empty_steps = counter("mlxdist_empty_steps", "Steps skipped: the task's count was 0 on every rank")
+        self.units = Counter("mlxdist_units", "Units (the task's: tokens, samples, frames) this rank trained on",
+                             [*lab, "unit"], registry=r)
+        self.units_per_second = Gauge("mlxdist_units_per_second", "This rank's throughput in the task's unit",
+                                      [*lab, "unit"], registry=r)
         self.drift_repairs = counter("mlxdist_drift_repairs", "Weight drift detected and repaired by broadcast")
         self.rollbacks = counter("mlxdist_rollbacks", "Rollbacks to the last checkpoint")
         # Set by launch/mlxrun --elastic in a restarted job's environment; 0 otherwise.
@@ -102,12 +108,16 @@ class Metrics:
     def _observe_step(self, f: dict[str, Any]) -> None:
         self.steps.inc()
         self.last_step_time.set_to_current_time()
-        self.tokens.inc(f["tokens"])
+        if "tokens" in f:
+            self.tokens.inc(f["tokens"])
+            self.tokens_per_second.set(f["tokens_per_s"])
+        if "unit" in f:
+            self.units.labels(**self.labels, unit=f["unit"]).inc(f["units"])
+            self.units_per_second.labels(**self.labels, unit=f["unit"]).set(f["units_per_s"])
         self.samples.inc(f["samples"])
         self.loss.set(f["loss"])
         self.lr.set(f["lr"])
         self.grad_norm.set(f["grad_norm"])
-        self.tokens_per_second.set(f["tokens_per_s"])
         self.batch_size.set(f["micro_batch"])
         self.accumulation.set(f["accum"])
         self.share.set(f["samples"])

@@ -1,6 +1,9 @@
 """Fault injection for tests, read from the environment: the only way a test can make a
 real multi-process run drift, blow up, or run out of memory on cue.
 
+It wraps the engine from outside (`wrap`), and only when one of these variables is set;
+the loop and the engine contract know nothing of it.
+
   MLXDIST_INJECT_DRIFT=RANK:STEP   perturb RANK's weights after STEP (once)
   MLXDIST_INJECT_NAN=S1,S2,...     non-finite loss at those steps (each fires once)
   MLXDIST_INJECT_OOM=RANK:STEP     RANK's first micro-batch of STEP raises MemoryError (once)
@@ -13,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -53,6 +57,10 @@ class Faults:
     nan_steps: set[int] = field(default_factory=set)
     compute_scale: float = 1.0
 
+    @property
+    def active(self) -> bool:
+        return bool(self.nan_steps) or self.drift[0] >= 0 or self.oom[0] >= 0 or self.compute_scale != 1.0
+
     @classmethod
     def from_env(cls) -> Faults:
         nan = os.environ.get("MLXDIST_INJECT_NAN", "")
@@ -89,3 +97,47 @@ class Faults:
             self.drift = (-1, -1)
             return True
         return False
+
+
+def wrap(engine, rank: int, step: Callable[[], int], faults: Faults | None = None):
+    """`engine` itself when no fault is asked for; otherwise an engine that misbehaves on cue.
+    `step()` is the loop's count of completed steps."""
+    faults = faults or Faults.from_env()
+    return FaultyEngine(engine, faults, rank, step) if faults.active else engine
+
+
+class FaultyEngine:
+    """The engine, plus the faults of `Faults` at the steps they name. Everything it does not
+    override passes through."""
+
+    def __init__(self, engine, faults: Faults, rank: int, step: Callable[[], int]):
+        self._engine, self._faults, self._rank, self._step = engine, faults, rank, step
+        self.notes = ([f"rig: rank {rank} computes x{faults.compute_scale:g} slower ({COMPUTE_SCALE_VAR})"]
+                      if faults.compute_scale != 1.0 else [])
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def micro_step(self, batch) -> None:
+        if self._faults.take_oom(self._rank, self._step()):
+            raise MemoryError("injected out-of-memory (MLXDIST_INJECT_OOM)")
+        t0 = time.perf_counter()
+        self._engine.micro_step(batch)
+        self._faults.stretch_compute(time.perf_counter() - t0)  # rig only: a slower GPU, counted as compute
+
+    def take_gradients(self):
+        got = self._engine.take_gradients()
+        if self._faults.take_nan(self._step()):
+            got.loss_sum = float("nan")
+        return got
+
+    def weight_checksum(self) -> int:
+        # The drift lands after the update that completed its step and the checksum the
+        # self-check remembered then, so the check sees a rank whose weights changed since.
+        if self._faults.drift[0] == self._rank and self._step() >= self._faults.drift[1] \
+                and self._faults.drift_now(self._rank, self._faults.drift[1]):
+            weights = self._engine.get_weights()
+            first = sorted(weights)[0]
+            weights[first] = weights[first] + 1e-3
+            self._engine.set_weights(weights)
+        return self._engine.weight_checksum()

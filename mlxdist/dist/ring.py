@@ -1,0 +1,185 @@
+"""The numpy half of the data plane: our pipelined ring all-reduce and the bucket sum around
+it, over mpi4py. No MLX here: the PyTorch engine sums its gradients through it too.
+
+Why our own ring: Open MPI's Allreduce (and Iallreduce, worse) left a shaped 1 Gbit/s
+link idle for a third to a half of the time between two hosts. A ring reduce-scatter +
+all-gather moves the minimum 2(n-1)/n of the buffer per link, and cutting each chunk
+into segments that are forwarded as soon as they are summed keeps both directions of
+every link busy from the first byte to the last.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import numpy as np
+
+from .world import World
+
+# Below this many bytes an array goes through MPI's Allreduce: latency, not bandwidth,
+# decides there, and one collective call beats 2(n-1) ring messages.
+RING_MIN_BYTES = 256 * 1024
+# Ring segment: just under Open MPI's TCP eager limit (64 KiB with its header), so a
+# segment goes out at once. Larger ones use the rendezvous protocol, whose handshake
+# waits behind the data queued in the other direction of a busy link: with 1 MiB
+# segments the ring reached 45-50% of a shaped 1 Gbit/s link, with 64 KiB ones ~90%.
+RING_SEGMENT_BYTES = int(os.environ.get("MLXDIST_RING_SEGMENT", 65536 - 256))
+# Messages in flight each way: 256 x 64 KiB = 16 MiB, above a 10 Gbit/s link's
+# bandwidth-delay product even with a few ms of queueing.
+RING_WINDOW = int(os.environ.get("MLXDIST_RING_WINDOW", 256))
+
+
+def _bf16_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """bfloat16 sum on uint16 bit patterns (numpy has no bfloat16): widen to fp32, add,
+    round to nearest even, as MLX's astype does."""
+    out[...] = bf16_bits((a.astype(np.uint32) << 16).view(np.float32) + (b.astype(np.uint32) << 16).view(np.float32))
+
+
+def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    if a.dtype == np.uint16:  # bfloat16 bits
+        _bf16_add(a, b, out)
+    else:
+        np.add(a, b, out=out)
+
+
+def ring_allreduce(comm, srcs: list[np.ndarray], outs: list[np.ndarray],
+                   segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
+    """Sum `srcs` over all ranks of `comm` into `outs` (same shapes; flat arrays).
+
+    Reduce-scatter then all-gather around the ring rank -> rank+1, each of the
+    2(n-1) steps cut into segments. A segment received in one step is (summed and)
+    sent on in the next step at once, so no rank waits for a whole step to finish.
+    Every chunk is summed in one fixed order along the ring and then copied to all
+    ranks, so all ranks get bit-identical results.
+    """
+    from mpi4py import MPI
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    steps = 2 * (n - 1)
+    # Segment table: (array, chunk -> [(lo, hi), ...]), numbered per chunk position.
+    segs: list[tuple[int, list[list[tuple[int, int]]]]] = []
+    per_chunk = 0
+    for a, src in enumerate(srcs):
+        length = src.size
+        seg_elems = max(1, segment_bytes // src.itemsize)
+        bounds = [length * j // n for j in range(n + 1)]
+        chunks = []
+        for j in range(n):
+            lo, hi = bounds[j], bounds[j + 1]
+            chunks.append([(x, min(x + seg_elems, hi)) for x in range(lo, hi, seg_elems)])
+        per_chunk = max(per_chunk, max(len(c) for c in chunks))
+        segs.append((a, chunks))
+    if per_chunk == 0:
+        return
+    # Receives are posted in step order, `window` ahead of the data; sends wait in a
+    # queue with `window` in flight. Bounded lists keep each Waitsome cheap.
+    recv_plan = deque()
+    for s in range(steps):
+        chunk = (rank - s - 1) % n
+        for a, chunks in segs:
+            for k, (lo, hi) in enumerate(chunks[chunk]):
+                recv_plan.append((s, a, k, lo, hi))
+    queue: deque[tuple[np.ndarray, int]] = deque()
+    chunk0 = rank % n
+    for a, chunks in segs:
+        for k, (lo, hi) in enumerate(chunks[chunk0]):
+            queue.append((srcs[a][lo:hi], a * per_chunk + k))
+    reqs: list = []
+    meta: list = []
+    sends = recvs = 0
+
+    def tag_of(s: int, a: int, k: int) -> int:
+        return (s * len(segs) + a) * per_chunk + k
+
+    def pump() -> None:
+        nonlocal sends, recvs
+        while recv_plan and recvs < window:
+            m = recv_plan.popleft()
+            reqs.append(comm.Irecv(outs[m[1]][m[3]:m[4]], source=prv, tag=tag_of(*m[:3])))
+            meta.append(m)
+            recvs += 1
+        while queue and sends < window:
+            buf, tag = queue.popleft()
+            reqs.append(comm.Isend(buf, dest=nxt, tag=tag))
+            meta.append(None)
+            sends += 1
+
+    pump()
+    while reqs:
+        done = MPI.Request.Waitsome(reqs) or []
+        finished = set(done)
+        for i in done:
+            m = meta[i]
+            if m is None:
+                sends -= 1
+                continue
+            recvs -= 1
+            s, a, k, lo, hi = m
+            if s < n - 1:  # reduce-scatter: the peer's partial sum plus my own part
+                _add(outs[a][lo:hi], srcs[a][lo:hi], outs[a][lo:hi])
+            if s + 1 < steps:
+                queue.append((outs[a][lo:hi], tag_of(s + 1, a, k)))
+        reqs[:] = [r for i, r in enumerate(reqs) if i not in finished]
+        meta[:] = [m for i, m in enumerate(meta) if i not in finished]
+        pump()
+
+
+def bf16_bits(f32: np.ndarray) -> np.ndarray:
+    """fp32 -> bfloat16 bit patterns (uint16), rounded to nearest even as MLX and torch do."""
+    u = np.ascontiguousarray(f32, np.float32).view(np.uint32)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f32)
+    if nan.any():
+        r[nan] = 0x7FC0
+    return r
+
+
+class NumpyAllReduce:
+    """Sum flat numpy buffers (fp32, or bfloat16 as uint16 bits) over all ranks: small ones
+    through Open MPI's Allreduce, large ones through the ring where a network link is."""
+
+    def __init__(self, world: World):
+        self.world, self.comm = world, world.comm
+        self.rank, self.size = world.rank, world.size
+        # Its own communicator: ring tags can never match another caller's messages.
+        self.ring_comm = world.comm.Dup()
+        # Result buffers kept between calls: fresh ones cost a page fault per 4 KiB,
+        # which measured slower than the copy itself on large gradients.
+        self._out_cache: dict[tuple[int, int, str], np.ndarray] = {}
+        # Within one host Open MPI's shared-memory Allreduce beat the ring 2-4x (64 KiB
+        # messages through shared memory); the ring pays off where a network link is.
+        self.use_ring = len(set(world.allgather(world.host))) > 1
+
+    def _out(self, i: int, like: np.ndarray) -> np.ndarray:
+        key = (i, like.size, like.dtype.str)
+        buf = self._out_cache.get(key)
+        if buf is None:
+            buf = self._out_cache[key] = np.empty_like(like)
+        return buf
+
+    def sum_buffers(self, srcs: list[np.ndarray]) -> list[np.ndarray]:
+        from mpi4py import MPI
+
+        if len(self._out_cache) > 4 * len(srcs):  # the caller's layout changed
+            self._out_cache.clear()
+        outs = [self._out(i, b) for i, b in enumerate(srcs)]
+        limit = RING_MIN_BYTES if self.use_ring else 1 << 62
+        big = [i for i, b in enumerate(srcs) if b.nbytes >= limit]
+        small = [i for i, b in enumerate(srcs) if b.nbytes < limit]
+        with self.world.watch("gradient all-reduce"):
+            reqs = []
+            for i in small:
+                if srcs[i].dtype == np.uint16:  # MPI cannot sum bfloat16 bits
+                    f32 = (srcs[i].astype(np.uint32) << 16).view(np.float32)
+                    self.comm.Allreduce(MPI.IN_PLACE, f32, op=MPI.SUM)
+                    outs[i] = bf16_bits(f32)
+                elif self.use_ring:
+                    reqs.append(self.comm.Iallreduce(srcs[i], outs[i], op=MPI.SUM))
+                else:
+                    self.comm.Allreduce(srcs[i], outs[i], op=MPI.SUM)
+            if big:
+                ring_allreduce(self.ring_comm, [srcs[i] for i in big], [outs[i] for i in big])
+            MPI.Request.Waitall(reqs)
+        return outs

@@ -1,0 +1,85 @@
+"""How ranks agree: the one object the loop holds for it, and never inspects.
+
+A strategy owns the exchange of a step (gradients now, or nothing until an outer sync),
+when the ranks meet to share control numbers (stop requests, re-plans, rollback), whether
+the weight-drift check applies, what a checkpoint calls the model's weights, its own
+checkpoint state, and `close`. Adding one is adding a module and a line to `make_strategy`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ..config import Config
+from ..control.plan import Decision
+from ..dist.world import World
+from ..engine.base import Engine, StepStats
+
+
+class SyncStrategy(Protocol):
+    drift_check: bool  # whether all ranks should hold bit-identical weights after every step
+
+    def describe(self) -> str | None:
+        """A banner line, or None when there is nothing to say."""
+
+    def step(self, engine: Engine, lr: float) -> StepStats:
+        """Exchange what this strategy exchanges per step, then update the engine."""
+
+    def before_last_backward(self, engine: Engine) -> None:
+        """The step's last micro-batch comes next: a strategy may start its exchange while
+        that backward runs (torch data parallel sends buckets as gradients become final)."""
+
+    def meets(self, step: int) -> bool:
+        """Whether the ranks exchange control numbers after `step`."""
+
+    def agree_on_rollback(self, wanted: bool, step: int) -> bool:
+        """Whether every rank rolls back after `step`; all ranks return the same answer."""
+
+    def after_step(self, engine: Engine, step: int, samples: int, last: bool) -> list[Decision]:
+        """After the update of a step of `samples` samples here: anything due (outer syncs).
+        `last`: the run reaches train.steps; it must end on one model."""
+
+    def before_save(self, engine: Engine, step: int) -> list[Decision]:
+        """Make the state whole for a checkpoint (land exchanges in flight)."""
+
+    def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
+        """The weights a checkpoint saves as the model's: the ones every rank agrees on."""
+
+    def state_dict(self, engine: Engine) -> dict[str, np.ndarray]:
+        """Shared state for the run's checkpoint (identical on every rank)."""
+
+    def save_rank_state(self, root: Path, step: int, engine: Engine, keep: int) -> None:
+        """State that is this rank's own, written by every rank beside the run."""
+
+    def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
+                        optimizer_step: int) -> list[Decision]:
+        """After the engine holds the checkpoint's weights on every rank (collective); `shared`
+        None: a fresh run, starting from the weights every rank now holds."""
+
+    def close(self) -> None: ...
+
+
+def share_state(world: World, engine: Engine, root: int = 0) -> None:
+    """Make weights, moments and the update count on every rank equal `root`'s: at the start
+    of a run (a model initialised without a seed differs per rank), after a restore, and to
+    repair drift."""
+    if world.size == 1:
+        return
+    opt, opt_step = engine.get_optimizer_state()
+    weights = world.broadcast_arrays(engine.get_weights(), root)
+    opt = world.broadcast_arrays(opt, root)
+    engine.set_weights(weights)
+    engine.set_optimizer_state(opt, world.bcast(opt_step, root))
+
+
+def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str]) -> SyncStrategy:
+    if cfg.dist.mode == "diloco":
+        from .diloco_strategy import DiLoCoStrategy
+
+        return DiLoCoStrategy(cfg, world, engine, hosts)
+    from .data_parallel import DataParallel
+
+    return DataParallel(world, reducer)

@@ -1,0 +1,113 @@
+"""What a run trains: a model, a summed loss, a unit count and a dataset (`Task`).
+
+The rule that makes unequal Macs exact: `loss(model, batch)` returns the *sum* of the
+per-unit losses and `count(batch)` how many units that sum covers. The step's gradient is
+(sum over every rank's micro-batches of the loss gradients) / (sum of their counts), so
+ranks with batches b_1..b_N train exactly like one process with sum(b_i). A mean loss
+would weigh a MacBook's 3 samples like the Studio's 5; `check_task` finds that out.
+
+The built-in language model (`tasks/lm.py`) is a Task like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..config import Config, ConfigError
+
+
+class TaskError(ConfigError):
+    """A user task that does not keep the contract: one line, exit code 2."""
+
+
+@dataclass
+class TaskContext:
+    """What `Task.build` may want to know. Nothing about ranks: the model is the same on all."""
+
+    engine: str  # "mlx" or "torch"
+    device: str  # the torch device ("cpu", "mps", "cuda:0"), or MLX's default device
+    seed: int
+    config: Config
+
+
+@dataclass
+class Task:
+    """Any model, summed loss and dataset, trained with everything mlxdist does.
+
+    - `build(ctx)`: an `mlx.nn.Module` (MLX engine) or `torch.nn.Module` (torch engine).
+    - `loss(model, batch)`: the **sum** of the batch's per-unit losses, a scalar. The batch
+      arrives as the engine's arrays (`mx.array` / torch tensors on the device), in the
+      structure `collate` made.
+    - `count(batch)`: units the sum covers, from the numpy batch; default its leading size.
+    - `dataset`: `len()` and `[i]` -> a sample (numpy arrays, or a dict/tuple of them), the
+      same on every host. `collate(samples)` makes a batch; default stacks each leaf.
+    - `eval_dataset`: held-out loss with the same weighting. `unit`: shown in progress and
+      metrics ("12.3k samples/s").
+    """
+
+    build: Callable[[TaskContext], Any]
+    loss: Callable[[Any, Any], Any]
+    dataset: Any
+    count: Callable[[Any], int] | None = None
+    collate: Callable[[list], Any] | None = None
+    eval_dataset: Any = None
+    unit: str = "samples"
+    name: str = field(default="task", repr=False)  # banner and messages: the factory's name
+    data_summary: str | None = field(default=None, repr=False)  # banner line; default: its length
+
+    def make_batch(self, dataset: Any, indices) -> Batch:
+        """The collated batch of these dataset indices, counted once here in numpy."""
+        idx = [int(i) for i in indices]
+        data = (self.collate or default_collate)([dataset[i] for i in idx])
+        n = (self.count or leading_size)(data)
+        return Batch(np.asarray(idx, np.int64), data, int(n))
+
+
+@dataclass
+class Batch:
+    """A collated micro-batch, the dataset indices it came from (an out-of-memory retry
+    re-collates them at a smaller size) and its unit count."""
+
+    indices: np.ndarray
+    data: Any
+    count: int
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def default_collate(samples: list) -> Any:
+    """Stack each leaf of the samples' common structure (dicts, tuples, lists, arrays, numbers)."""
+    first = samples[0]
+    if isinstance(first, dict):
+        return {k: default_collate([s[k] for s in samples]) for k in first}
+    if isinstance(first, (tuple, list)):
+        leaves = [default_collate([s[i] for s in samples]) for i in range(len(first))]
+        return type(first)(*leaves) if hasattr(first, "_fields") else type(first)(leaves)
+    return np.stack([np.asarray(s) for s in samples])
+
+
+def leading_size(batch: Any) -> int:
+    """The default `count`: the leading dimension of the batch's first array."""
+    while isinstance(batch, (dict, tuple, list)):
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return int(np.shape(batch)[0])
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`fn` on every numpy leaf of dicts/tuples/lists; other leaves pass through."""
+    if isinstance(tree, dict):
+        return {k: tree_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        leaves = [tree_map(fn, v) for v in tree]
+        return type(tree)(*leaves) if hasattr(tree, "_fields") else type(tree)(leaves)
+    if isinstance(tree, (np.ndarray, np.generic)):
+        return fn(tree)
+    return tree
+
+
+__all__ = ["Batch", "Task", "TaskContext", "TaskError", "default_collate", "leading_size", "tree_map"]

@@ -1,0 +1,83 @@
+"""Which task a run trains: `task.factory` from the config, or the built-in LM.
+
+A factory is `"package.module:callable"`, imported from the working directory or an
+installed package and called with `task.args`; it returns a `Task`. Every failure is one
+line naming the factory and what to do (exit code 2).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..config import Config
+from . import Task, TaskError
+
+
+def import_factory(spec: str) -> Callable[..., Any]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise TaskError(f"task.factory '{spec}': expected 'package.module:callable', e.g. 'mytasks:make_task'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise TaskError(f"task.factory '{spec}': no module '{e.name}' on this host (working directory "
+                            f"{os.getcwd()}); run from the directory that holds {module_name.replace('.', '/')}.py "
+                            "or pip install its package on every host") from None
+        raise TaskError(f"task.factory '{spec}': importing {module_name} failed: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed at import: say where
+        raise TaskError(f"task.factory '{spec}': importing {module_name} failed: {type(e).__name__}: {e}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise TaskError(f"task.factory '{spec}': module {module_name} ({module.__file__}) has no '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TaskError(f"task.factory '{spec}': {attr} is a {type(obj).__name__}, not a callable returning a Task")
+    return obj
+
+
+def task_from_factory(spec: str, args: dict[str, Any]) -> Task:
+    factory = import_factory(spec)
+    try:
+        task = factory(**args)
+    except TypeError as e:
+        raise TaskError(f"task.factory '{spec}': calling it with task.args {sorted(args)} failed: {e}") from None
+    return checked(task, f"task.factory '{spec}'", spec)
+
+
+def checked(task: Any, where: str, name: str) -> Task:
+    """The task, named, after the checks that need no framework."""
+    if not isinstance(task, Task):
+        raise TaskError(f"{where}: returned {type(task).__name__}, not an mlxdist.Task "
+                        "(return mlxdist.Task(build=..., loss=..., dataset=...))")
+    for field in ("build", "loss"):
+        if not callable(getattr(task, field)):
+            raise TaskError(f"{where}: Task.{field} must be callable")
+    for field in ("dataset", "eval_dataset"):
+        ds = getattr(task, field)
+        if ds is None and field == "eval_dataset":
+            continue
+        if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            raise TaskError(f"{where}: Task.{field} must have len() and [i] (got {type(ds).__name__})")
+        if len(ds) == 0:
+            raise TaskError(f"{where}: Task.{field} is empty")
+    if task.name == "task":
+        task.name = name
+    return task
+
+
+def resolve_task(cfg: Config, say: Callable[[str], None] | None = None) -> Task:
+    """The config's task: its factory's, or the built-in LM's (presets, pretrained, LoRA)."""
+    if cfg.task.factory:
+        return task_from_factory(cfg.task.factory, dict(cfg.task.args))
+    from ..models.build import inspect_base
+    from .lm import lm_task
+
+    return lm_task(cfg, inspect_base(cfg), say)

@@ -1,0 +1,444 @@
+"""The training loop: one for every engine, sync strategy and number of ranks.
+
+Read `Trainer.run` top to bottom: it is the algorithm, a list of named phases. Each
+component owns its state and its cadence (`Checkpointer.due`, `Evaluator.due`,
+`SyncStrategy.meets`); decisions every rank must share (stop, re-plan, rollback) are taken
+from all-gathered numbers, so all ranks take them at the same step. The loop never asks
+which engine or strategy it holds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from ..config import Config, ConfigError
+from ..control import BatchSizeError, StepPlan, replan
+from ..control.controllers import Controllers
+from ..control.plan import Decision
+from ..data import GlobalSampler
+from ..data.batch import BatchMaker
+from ..data.feed import StepFeed
+from ..dist.awake import hold_awake
+from ..dist.drift import SelfCheck, drift_verdict
+from ..dist.world import World, resolve_backend
+from ..engine import make_engine, make_reducer, make_world
+from ..engine.base import Engine, StepStats
+from ..engine.memory import MemoryReading
+from ..markers import announce_complete
+from ..state import checkpoint as ckpt
+from ..state.checkpointer import Checkpointer
+from ..sync.strategy import SyncStrategy, make_strategy, share_state
+from ..tasks import Batch, Task
+from ..tasks.fingerprint import check_same, fingerprint
+from ..tasks.load import resolve_task
+from ..telemetry.events import EventLog, Progress
+from ..telemetry.metrics import Metrics
+from ..telemetry.reporter import Log, Reporter
+from . import faults
+from .evaluation import Evaluator
+from .states import ClusterInfo, ModelState
+
+
+class Trainer:
+    """Wires the components of one run together and runs the loop."""
+
+    def __init__(self, cfg: Config, engine_name: str = "mlx", device: str = "auto", task: Task | None = None):
+        """`task`: what `mlxdist.fit` was given; None: the config's (`task.factory` or the built-in LM)."""
+        self.cfg = cfg
+        self.world: World = make_world(engine_name, cfg, device)
+        self.run_dir = Path(cfg.train.out_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.world.install_signal_handlers()
+        hold_awake(os.getpid())  # a MacBook that sleeps mid-run stalls the whole cluster
+        self.world.start_watchdog(cfg.dist.stall_timeout_s)
+        w = self.world
+
+        metrics = Metrics(w.rank, w.host)
+        progress = Progress(cfg.train.steps, enabled=w.is_main and cfg.train.progress, every=cfg.train.log_every)
+        self.report = Reporter(Log(w.rank, w.label, self.run_dir), EventLog(self.run_dir, w.rank, w.host),
+                               metrics, progress)
+        for warning in getattr(cfg, "warnings", []):
+            if w.is_main:
+                self.report.say(f"config: {warning}")
+
+        self.hosts = w.allgather(w.host)
+        unmatched = cfg.unmatched_nodes_warning(self.hosts)
+        if w.is_main and unmatched:
+            self.report.say(f"config: {unmatched}")
+        self.state = ckpt.RunState()
+        self.task = task or resolve_task(cfg, self.report.say if w.is_main else None)
+        progress.unit = self.task.unit
+        check_same(w.allgather(fingerprint(self.task, cfg.task.args)), self.hosts, self.task.name)
+        self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device, self.task, w.local_rank), w.rank,
+                                          lambda: self.state.step)
+        self._check_same_base()
+        self.sync: SyncStrategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, w), self.hosts)
+        self.evaluator = Evaluator(self.task, cfg.train, w)
+        data = self.task.dataset
+        self.feed = StepFeed(BatchMaker(lambda idx: self.task.make_batch(data, idx),
+                                        GlobalSampler(len(data), cfg.train.seed), w.rank), cfg.data.prefetch)
+        self._units = 0
+
+        node = cfg.node_for(w.host, w.rank)
+        my_micro = node.batch_size if cfg.nodes else cfg.train.batch_size
+        plan = StepPlan.initial(w.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
+        self.ctl = Controllers.build(cfg, plan, my_micro, node.memory_target, w.size, w.rank, w.allgather)
+        self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir, host=w.host, rank=w.rank,
+                                        local_rank=w.local_rank)
+        self.parts = {"run": self.state, "controllers": self.ctl, "model": ModelState(self.engine, self.sync),
+                      "cluster": ClusterInfo(w.size, self.hosts, cfg.to_dict())}
+        self.stop_reason: str | None = None
+        self.self_check = SelfCheck(cfg.dist.sync_weights_every if self.sync.drift_check else 0)
+        self._drift_restored_to: int | None = None
+
+        devices = w.allgather(self.engine.device)
+        backend = resolve_backend(cfg.dist.backend) if w.size > 1 else "single"
+        metrics.set_build(engine=self.engine.name, backend=backend, world_size=str(w.size))
+        warning = metrics.serve(cfg.metrics.port + w.local_rank if cfg.metrics.port else 0, cfg.metrics.bind)
+        if warning:
+            self.report.say(warning)
+        if w.is_main:
+            self._banner(backend, devices)
+        for note in getattr(self.engine, "notes", []):
+            self.report.say(note)
+
+    @property
+    def plan(self) -> StepPlan:
+        return self.ctl.plan
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        self.restore(self.checkpoints.for_resume(self.report.say) if self.world.is_main else None)
+        self.feed.restart(self.state.step, self.state.position, self.plan)
+        stats = None
+        try:
+            while self.state.step < self.cfg.train.steps and self.stop_reason is None:
+                t_step = time.perf_counter()
+                batches = self.feed.get(self.state.step)
+                compute_s = self.forward_backward(batches)
+                lr, stats = self.optimizer_step()
+                if self.rolled_back(stats):
+                    continue
+                self.advance()
+                memory = self.adapt(compute_s)
+                if self.check_drift():
+                    continue
+                self.after_step()
+                self.report_step(stats, lr, compute_s, memory, time.perf_counter() - t_step)
+                last = self.state.step >= self.cfg.train.steps or self.stop_reason is not None
+                if self.evaluator.due(self.state.step, last):
+                    last = self.evaluate() or last
+                if self.checkpoints.due(self.state.step, last):
+                    self.save_checkpoint()
+        finally:
+            self.feed.close()
+        self.finish(stats)
+        return 0
+
+    # ------------------------------------------------------------------ phases
+    def forward_backward(self, batches: list[Batch]) -> float:
+        """This rank's share of the step, in micro-batches. On out-of-memory the micro-batch
+        shrinks and the same samples are redone: the share is unchanged, so peers simply
+        wait in the exchange, and the new size reaches them at the next all-gather."""
+        self.engine.reset_peak()
+        t0 = time.perf_counter()
+        while True:
+            try:
+                for i, batch in enumerate(batches):
+                    if i == len(batches) - 1:
+                        self.sync.before_last_backward(self.engine)
+                    self.engine.micro_step(batch)
+                self._units = sum(b.count for b in batches)
+                return time.perf_counter() - t0
+            except (MemoryError, RuntimeError) as e:
+                if not isinstance(e, MemoryError) and not _looks_like_oom(e):
+                    raise
+                batches = self._shrink_after_oom(e, batches)
+
+    def optimizer_step(self) -> tuple[float, StepStats]:
+        """The sync strategy's exchange and the update (data parallel: every rank sees the same
+        loss and norm; DiLoCo's inner steps: each its own)."""
+        lr = self.ctl.schedule(self.state.step, self.state.lr_scale * self.state.plateau_scale)
+        stats = self.sync.step(self.engine, lr)
+        if self.self_check.due(self.state.step + 1):  # before anything else can touch the weights
+            self.self_check.remember(self.state.step + 1, self.engine.weight_checksum())
+        return lr, stats
+
+    def rolled_back(self, stats: StepStats) -> bool:
+        """Health check of the step; after too many bad steps in a row, go back to the last
+        checkpoint with a lower learning rate. True when it did."""
+        if stats.skipped and stats.tokens == 0:
+            self.report.emit("empty_step", f"step {self.state.step}: {stats.why_skipped}; update skipped",
+                             step=self.state.step)
+            return False
+        verdict = self.ctl.health.observe(self.state.step, stats.loss, stats.grad_norm)
+        for warning in verdict.warnings:
+            self.report.say(f"health: {warning}")
+        if stats.skipped:
+            self.report.emit("skipped", f"step {self.state.step}: {stats.why_skipped}; update skipped "
+                             f"({self.ctl.health.nonfinite_total} so far)", step=self.state.step)
+        if not self.sync.agree_on_rollback(verdict.rollback, self.state.step + 1):
+            return False
+        before = self.state.lr_scale
+        latest = self.checkpoints.latest(self.report.say) if self.world.is_main else None
+        if self.world.bcast(latest is not None):
+            self.restore(latest, rolling_back=True)
+            where = f"back to step {self.state.step}"
+        else:
+            where = "no checkpoint yet, weights kept"
+        # Compounds across rollbacks to the same checkpoint, so a repeating blow-up meets an
+        # ever lower learning rate instead of looping forever.
+        self.state.lr_scale = min(self.state.lr_scale, before) * self.cfg.control.rollback_lr_scale
+        self.report.emit("rollback", f"rollback: {self.cfg.control.max_bad_steps} bad steps in a row; {where}, "
+                         f"learning rate x{self.state.lr_scale:g}", step=self.state.step,
+                         lr_scale=self.state.lr_scale)
+        self.feed.restart(self.state.step, self.state.position, self.plan)
+        return True
+
+    def advance(self) -> None:
+        self.state.step += 1
+        self.state.position += self.plan.global_batch
+
+    def adapt(self, compute_s: float) -> MemoryReading:
+        """Memory -> this rank's micro-batch; all-gathered numbers -> the cluster's plan and
+        whether to stop. Every rank decides the same from the same gathered list."""
+        memory = self.engine.memory()
+        if self.cfg.control.adapt_batch:
+            d = self.ctl.batch.observe(memory.peak, memory.limit)
+            if d is not None:
+                self.report.emit("memory", f"batch: rank {self.world.rank}: {d.reason}; micro-batch {d.old} -> {d.new}",
+                                 step=self.state.step, old=d.old, new=d.new,
+                                 action="shrink" if d.new < d.old else "grow")
+        every = self.cfg.control.clear_cache_every
+        if every and self.state.step % every == 0:
+            self.engine.clear_cache()
+        if not self.sync.meets(self.state.step):
+            return memory
+        gathered = self.world.allgather({"samples": self.plan.shares[self.world.rank], "compute_s": compute_s,
+                                         "micro": self.ctl.batch.batch, "stop": self.world.stop_requested})
+        if any(g["stop"] for g in gathered):
+            self.stop_reason = "signal"
+        balancer = self.ctl.balancer if self.cfg.control.balance and self.world.size > 1 else None
+        plan, decisions = replan(self.plan, gathered, self.state.step, balancer, self.ctl.accum)
+        self._report(decisions)
+        if decisions:
+            self.ctl.plan = plan
+            self.feed.restart(self.state.step, self.state.position, self.plan)
+        return memory
+
+    def check_drift(self) -> bool:
+        """Every `dist.sync_weights_every` steps (where the strategy keeps ranks identical):
+        all-gather weight checksums and self-checks; where ranks differ, repair from the rank
+        `drift_verdict` trusts (the majority, or the one that passed its own check), else from
+        the latest checkpoint (DESIGN promise 3). True when it went back to a checkpoint (the
+        step is then redone)."""
+        if not self.self_check.due(self.state.step):
+            return False
+        step, mine = self.state.step, self.engine.weight_checksum()
+        gathered = self.world.allgather((mine, self.self_check.verify(step, mine)))
+        verdict = drift_verdict([g[0] for g in gathered], [g[1] for g in gathered], self.hosts)
+        if verdict.in_sync:
+            return False
+        fields = dict(step=step, ranks=verdict.drifted_ranks, source=verdict.source_rank,
+                      checkpoint=verdict.restore_from_checkpoint)
+        if verdict.restore_from_checkpoint:
+            latest = self.checkpoints.latest(self.report.say) if self.world.is_main else None
+            found = self.world.bcast(latest.meta.run.step if latest is not None else None)
+            if found is not None and found != self._drift_restored_to:
+                self.report.emit("drift_repair", f"drift: step {step}: {verdict.message} (step {found})", **fields)
+                self.restore(latest, rolling_back=True)
+                self._drift_restored_to = found
+                self.feed.restart(self.state.step, self.state.position, self.plan)
+                return True
+            why = "none saved yet" if found is None else "it drifted again since"
+            share_state(self.world, self.engine, verdict.source_rank)
+            self.report.emit("drift_repair", f"drift: step {step}: {verdict.message}: {why}, so continuing from "
+                             f"rank {verdict.source_rank}'s weights", **fields)
+            return False
+        share_state(self.world, self.engine, verdict.source_rank)
+        self.report.emit("drift_repair", f"drift: step {step}: {verdict.message}", **fields)
+        return False
+
+    def after_step(self) -> None:
+        """Whatever the sync strategy has due after an update (DiLoCo: outer syncs; all of them
+        when the run reaches train.steps, so it ends on one model)."""
+        ended = self.state.step >= self.cfg.train.steps
+        self._report(self.sync.after_step(self.engine, self.state.step, self.plan.shares[self.world.rank], ended))
+
+    def report_step(self, stats: StepStats, lr: float, compute_s: float, memory: MemoryReading,
+                    step_s: float) -> None:
+        rank, plan = self.world.rank, self.plan
+        samples = plan.shares[rank]
+        cluster_units = self._units * plan.global_batch / max(samples, 1) if stats.local else stats.tokens
+        units = dict(unit=self.task.unit, units=self._units, units_per_s=self._units / max(step_s, 1e-9),
+                     cluster_units_per_s=cluster_units / max(step_s, 1e-9))
+        if self.task.unit == "tokens":
+            units |= dict(tokens=units["units"], tokens_per_s=units["units_per_s"],
+                          cluster_tokens_per_s=units["cluster_units_per_s"])
+        self.report.emit(
+            "step", step=self.state.step, loss=stats.loss, lr=lr, grad_norm=stats.grad_norm, step_s=step_s,
+            compute_s=compute_s, sync_s=stats.sync_seconds, sync_bytes=stats.sync_bytes,
+            sync_overlapped=stats.sync_overlapped,
+            data_wait_s=self.feed.take_wait_seconds(), shares=plan.shares, micro=plan.micro,
+            micro_batch=plan.micro[rank], accum=plan.accumulation(rank), samples=samples,
+            global_batch=plan.global_batch, position=self.state.position, skipped=stats.skipped,
+            memory_active_bytes=memory.active, memory_peak_bytes=memory.peak, memory_limit_bytes=memory.limit,
+            **units)
+        self.report.progress.update(self.state.step, stats.loss, units["cluster_units_per_s"])
+
+    def evaluate(self) -> bool:
+        """Held-out loss, then the policies that read it. True when early stopping says stop."""
+        s = self.state
+        s.eval_loss = self.evaluator.run(self.engine, self.plan.micro[self.world.rank])
+        self.report.emit("eval", f"eval: step {s.step}: loss {s.eval_loss:.4f}", step=s.step, eval_loss=s.eval_loss)
+        if s.best_eval is None or s.eval_loss < s.best_eval:
+            s.best_eval = s.eval_loss
+        if self.ctl.plateau is not None:
+            scale = self.ctl.plateau.observe(s.eval_loss)
+            if scale != s.plateau_scale:
+                self.report.emit("plateau", f"plateau: eval loss flat for {self.cfg.control.plateau_patience} evals; "
+                                 f"learning rate x{scale:g}", step=s.step, scale=scale)
+                s.plateau_scale = scale
+        if self.ctl.stopper.observe(s.eval_loss):
+            self.stop_reason = self.stop_reason or "early stopping"
+            return True
+        return False
+
+    def save_checkpoint(self) -> None:
+        step = self.state.step
+        self._report(self.sync.before_save(self.engine, step))
+        self.sync.save_rank_state(self.run_dir / "rank_state", step, self.engine, self.cfg.checkpoint.keep_last)
+        written = self.checkpoints.save(step, self.parts)
+        if written is not None:  # rank 0; with checkpoint.on_every_host each host's first rank too
+            path, seconds = written
+            self.report.emit("checkpoint", f"checkpoint: {path} ({seconds:.2f}s)", step=step, path=str(path),
+                             seconds=seconds)
+        # Peers wait here, with a longer stall allowance, rather than in the next step's
+        # exchange, where a big model's slow save would look like a dead rank.
+        self.world.barrier("waiting for the checkpoint writers", patience=10)
+
+    def restore(self, loaded: ckpt.Loaded | None, rolling_back: bool = False) -> None:
+        """Rank 0 read the checkpoint (or nothing); every rank ends with rank 0's complete
+        state: weights, optimizer moments and update count (a fresh run too: a model
+        initialised without a seed differs per rank), run state, controllers, sync state."""
+        state = None
+        if self.world.is_main and loaded is not None:
+            state = loaded.state
+            self._check_checkpoint_task(loaded.path, state.get("config", {}).get("task"))
+            self._check_checkpoint_base(loaded.path, loaded.meta)
+            self.engine.set_weights(loaded.weights)
+            self.engine.set_optimizer_state(loaded.optimizer, loaded.meta.optimizer_step)
+            self.report.say(f"resumed from {loaded.path} (step {loaded.meta.run.step}, "
+                            f"saved by {loaded.meta.world_size} rank(s))")
+        share_state(self.world, self.engine, 0)
+        state = self.world.bcast(state)
+        if state is None:
+            self._report(self.sync.load_state_dict(None, self.run_dir / "rank_state", 0, self.engine, 0))
+            return
+        meta = ckpt.CheckpointMeta.from_dict(state)
+        self.state.load_state_dict(state)
+        if meta.global_batch not in (None, self.plan.global_batch):
+            self.report.say(f"resume: global batch {meta.global_batch} -> {self.plan.global_batch} (this cluster's "
+                            "node batch sizes x train.accum); set train.global_batch to keep it")
+        same_cluster = meta.hosts == self.hosts and meta.global_batch == self.plan.global_batch
+        self.ctl.load_state_dict(state, same_cluster=same_cluster, rolling_back=rolling_back)
+        shared = self.world.bcast(loaded.sync if self.world.is_main else None)
+        self._report(self.sync.load_state_dict(shared, self.run_dir / "rank_state", meta.run.step, self.engine,
+                                               meta.optimizer_step))
+
+    def finish(self, stats: StepStats | None) -> None:
+        s = self.state
+        if self.world.is_main:
+            adapter = self.engine.save_adapter(self.run_dir / "adapter")
+            if adapter is not None:
+                self.report.say(f"adapter: {adapter} (PEFT layout; `python -m mlxdist.generate --checkpoint "
+                                f"{self.cfg.model.path} --adapter {adapter}`)")
+        if self.stop_reason == "signal":
+            self.report.say(f"stopped by signal after step {s.step}; continue with --resume auto")
+        elif self.stop_reason:
+            self.report.say(f"stopped after step {s.step}: {self.stop_reason}")
+        if self.world.is_main:
+            self.report.say(f"done: step {s.step}, last loss {stats.loss:.4f}" if stats else f"done: step {s.step}")
+        self.sync.close()
+        self.report.progress.close()
+        self.report.emit("end", step=s.step, reason=self.stop_reason or "completed")
+        self.report.close()
+        if self.world.is_main:  # last line: launch/mlxrun exits 0 only after it
+            announce_complete(s.step, self.stop_reason or "completed")
+
+    # ------------------------------------------------------------------ helpers
+    def _report(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            if d.fields:
+                self.report.emit(d.kind, d.text, **d.fields)
+            elif d.text:
+                self.report.say(d.text)
+
+    def _check_checkpoint_task(self, path: Path, saved: dict | None) -> None:
+        mine = {"factory": self.cfg.task.factory, "args": self.cfg.task.args}
+        saved = {"factory": None, "args": {}} | (saved or {})
+        if saved != mine:
+            raise ConfigError(f"checkpoint {path}: trained task.factory={saved['factory'] or 'none (built-in LM)'} "
+                              f"with task.args={saved['args']}, this run has task.factory="
+                              f"{mine['factory'] or 'none (built-in LM)'} with {mine['args']}; resume with the same task")
+
+    def _check_checkpoint_base(self, path: Path, meta: ckpt.CheckpointMeta) -> None:
+        mine = self.engine.base_fingerprint
+        if meta.base_fingerprint == mine:
+            return
+        if mine is None or meta.base_fingerprint is None:
+            raise ConfigError(f"checkpoint {path}: trained on {'no' if meta.base_fingerprint is None else 'a'} "
+                              f"pretrained base, but model.path is {self.cfg.model.path or 'unset'}")
+        ours = dict(self.engine.base.files)
+        differ = sorted(f for f in set(ours) | set(meta.base_files) if ours.get(f) != meta.base_files.get(f))
+        raise ConfigError(f"checkpoint {path}: its base differs from model.path {self.cfg.model.path}"
+                          + (f" in {', '.join(differ)}" if differ else "") + "; resume with the base it was trained on")
+
+    def _check_same_base(self) -> None:
+        """Every rank must fine-tune the very same base: a host with another snapshot of the
+        model would train something else under the same name."""
+        prints = self.world.allgather(self.engine.base_fingerprint)
+        odd = [f"rank {r} ({self.hosts[r]})" for r, f in enumerate(prints) if f != prints[0]]
+        if odd:
+            raise ConfigError(f"model.path {self.cfg.model.path}: the base weights on {', '.join(odd)} differ from "
+                              f"rank 0's ({self.world.host}); copy the same model directory to every host")
+
+    def _shrink_after_oom(self, error: BaseException, batches: list[Batch]) -> list[Batch]:
+        self.engine.discard_gradients()
+        self.engine.clear_cache()
+        try:
+            d = self.ctl.batch.on_oom()
+        except BatchSizeError as stuck:
+            raise RuntimeError(f"{self.world.label}: out of memory at the smallest batch size "
+                               f"(control.min_batch={self.cfg.control.min_batch}): {stuck}") from None
+        self.report.emit("oom", f"oom: step {self.state.step}: {error}; micro-batch {d.old} -> {d.new}, "
+                         "retrying the step", step=self.state.step, old=d.old, new=d.new)
+        return self.feed.maker.split(np.concatenate([b.indices for b in batches]), d.new)
+
+    def _banner(self, backend: str, devices: list[str]) -> None:
+        cfg, w, plan = self.cfg, self.world, self.plan
+        say = self.report.say
+        say(f"mlxdist: {w.size} rank(s), engine {self.engine.describe()}"
+            + (f", dist backend {backend}" if w.size > 1 else ""))
+        if w.size > 1:
+            say("devices: " + ", ".join(f"rank {r} {d} ({h})" for r, (d, h) in enumerate(zip(devices, self.hosts,
+                                                                                              strict=True))))
+        strategy = self.sync.describe()
+        if strategy:
+            say(strategy)
+        data = self.task.dataset
+        what = self.task.data_summary or f"{len(data)} samples, loss per {self.task.unit.rstrip('s')}"
+        say(f"{self.engine.model_summary}; data: {what}")
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        say(f"plan: global batch {plan.global_batch} = shares {plan.shares} in micro-batches {plan.micro}"
+            f" on {', '.join(self.hosts)}; metrics on :{cfg.metrics.port or 'off'}; run dir {self.run_dir}")
+
+
+def _looks_like_oom(e: Exception) -> bool:
+    text = str(e).lower()
+    return any(k in text for k in ("out of memory", "outofmemory", "malloc", "failed to allocate"))

@@ -1,0 +1,141 @@
+"""Tasks written the way a user would, imported by `task.factory: user_tasks:...` from the
+tests directory (the working directory of those runs)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import mlxdist
+
+
+class Regression:
+    """x -> y with a fixed random linear map plus noise: 8 features, 3 targets."""
+
+    def __init__(self, n: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.x = rng.normal(size=(n, 8)).astype(np.float32)
+        w = rng.normal(size=(8, 3)).astype(np.float32)
+        self.y = (self.x @ w + 0.1 * rng.normal(size=(n, 3))).astype(np.float32)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def mlx_mlp(n: int = 256, mean: bool = False, batchnorm: bool = False, vector: bool = False,
+            rank_init: bool = False) -> mlxdist.Task:
+    """An MLX MLP that seeds nothing itself. With `rank_init` each rank draws its own initial
+    weights (as with a seed from the clock): only rank 0's broadcast makes them agree."""
+
+    def build(ctx):
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        if rank_init:
+            mx.random.seed(int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) + 1000)
+        layers = [nn.Linear(8, 16)] + ([nn.BatchNorm(16)] if batchnorm else []) + [nn.ReLU(), nn.Linear(16, 3)]
+        return nn.Sequential(*layers)
+
+    def loss(model, batch):
+        err = ((model(batch["x"]) - batch["y"]) ** 2).sum(axis=-1)
+        return err if vector else (err.mean() if mean else err.sum())
+
+    return mlxdist.Task(build=build, loss=loss, dataset=Regression(n), eval_dataset=Regression(64, seed=1))
+
+
+class Padded:
+    """Variable-length sequences padded to 12: the loss counts only real positions."""
+
+    def __init__(self, n: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.lengths = rng.integers(1, 13, size=n)
+        self.x = rng.normal(size=(n, 12, 4)).astype(np.float32)
+        self.y = rng.normal(size=(n, 12, 2)).astype(np.float32)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        mask = (np.arange(12) < self.lengths[i]).astype(np.float32)
+        return {"x": self.x[i], "y": self.y[i], "mask": mask}
+
+
+def mlx_masked(n: int = 128) -> mlxdist.Task:
+    def build(ctx):
+        import mlx.nn as nn
+
+        return nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 2))
+
+    def loss(model, batch):
+        err = ((model(batch["x"]) - batch["y"]) ** 2).sum(axis=-1)
+        return (err * batch["mask"]).sum()
+
+    return mlxdist.Task(build=build, loss=loss, dataset=Padded(n), count=lambda b: int(b["mask"].sum()),
+                        unit="frames")
+
+
+def torch_mlp(n: int = 256) -> mlxdist.Task:
+    def build(ctx):
+        import torch
+
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    def loss(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).sum()
+
+    return mlxdist.Task(build=build, loss=loss, dataset=Regression(n))
+
+
+def zero_count() -> mlxdist.Task:
+    task = mlx_mlp()
+    task.count = lambda b: 0
+    return task
+
+
+def rank_dependent_length() -> mlxdist.Task:
+    """A dataset that differs by host, as when one Mac has a stale copy of the data."""
+    task = mlx_mlp()
+    task.dataset = Regression(256 + int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    return task
+
+
+def not_a_task():
+    return {"build": None}
+
+
+class Repeats:
+    """Token sequences that repeat a random 4-token motif: learnable next-token prediction."""
+
+    def __init__(self, n: int, vocab: int = 32, length: int = 17, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        motifs = rng.integers(0, vocab, size=(n, 4))
+        self.tokens = np.tile(motifs, (1, length // 4 + 1))[:, :length].astype(np.int32)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int):
+        return self.tokens[i]
+
+
+def mlx_lm_llama(n: int = 512) -> mlxdist.Task:
+    """mlx-lm's own Llama, at a tiny size, used as it is."""
+
+    def build(ctx):
+        from mlx_lm.models import llama
+
+        return llama.Model(llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2,
+                                           intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-5,
+                                           vocab_size=32, num_key_value_heads=2))
+
+    def loss(model, tokens):
+        import mlx.nn as nn
+
+        return nn.losses.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], reduction="sum")
+
+    return mlxdist.Task(build=build, loss=loss, dataset=Repeats(n), eval_dataset=Repeats(64, seed=1),
+                        count=lambda b: b[:, 1:].size, unit="tokens")
