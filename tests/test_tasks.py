@@ -255,3 +255,20 @@ def test_eval_batches_0_scores_the_whole_eval_set_once_and_a_raising_factory_exi
                                       mx.array(loss / count), rtol=1e-5).item()
     r = _train(["task.factory=user_tasks:mlx_mlp", "task.args={n: -1}", "train.steps=1", f"train.out_dir={tmp_path}"])
     assert r.returncode == 2 and "task.factory 'user_tasks:mlx_mlp' raised ValueError" in r.stderr, r.stderr
+
+
+@pytest.mark.cluster
+def test_a_task_whose_frozen_base_differs_between_ranks_or_from_the_checkpoint_stops(tmp_path):
+    r = _train(["task.factory=user_tasks:mlx_frozen_base", "task.args={by_rank: true}", "train.steps=2",
+                f"train.out_dir={tmp_path / 'ranks'}"], np_=2)
+    assert r.returncode == 2, r.stderr
+    assert "the frozen weights on rank 1 (" in r.stderr and "copy the same files the task loads" in r.stderr
+    r = _train(["task.factory=user_tasks:mlx_frozen_base", "train.steps=2", "checkpoint.every=2",
+                f"train.out_dir={tmp_path / 'run'}"])
+    assert r.returncode == 0 and "136 trained" not in r.stderr, r.stderr
+    r = _train(["task.factory=user_tasks:mlx_frozen_base", "train.steps=4", f"train.out_dir={tmp_path / 'run'}",
+                "--resume", "auto"])
+    assert r.returncode == 0, r.stderr
+    r = _train(["task.factory=user_tasks:mlx_frozen_base", "train.steps=6", f"train.out_dir={tmp_path / 'run'}",
+                "--resume", "auto"], extra_env={"BASE_SEED": "7"})
+    assert r.returncode == 2 and "resume with the base it was trained on" in r.stderr, r.stderr

@@ -139,3 +139,22 @@ def mlx_lm_llama(n: int = 512) -> mlxdist.Task:
 
     return mlxdist.Task(build=build, loss=loss, dataset=Repeats(n), eval_dataset=Repeats(64, seed=1),
                         count=lambda b: b[:, 1:].size, unit="tokens")
+
+
+def mlx_frozen_base(by_rank: bool = False) -> mlxdist.Task:
+    """A frozen first layer (a 'pretrained base' the task loads; BASE_SEED stands for another
+    copy of its files) and a trained head: every rank must hold the same base."""
+    task = mlx_mlp()
+    build = task.build
+
+    def frozen_build(ctx):
+        import mlx.core as mx
+
+        model = build(ctx)
+        seed = int(os.environ.get("BASE_SEED", "0")) + (int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) if by_rank else 0)
+        model.layers[0].update({"weight": mx.random.normal(model.layers[0].weight.shape, key=mx.random.key(seed))})
+        model.layers[0].freeze()
+        return model
+
+    task.build = frozen_build
+    return task

@@ -159,7 +159,9 @@ def built_from_task(obj: Any, engine: str, device: Any, name: str) -> BuiltModel
                               "(the MLX engine trains MLX modules; use --engine torch for a torch.nn.Module)")
         obj.train()
         params = dict(tree_flatten(obj.trainable_parameters()))
-        total = sum(v.size for _, v in tree_flatten(obj.parameters()))
+        everything = dict(tree_flatten(obj.parameters()))
+        total = sum(v.size for v in everything.values())
+        frozen = {n: v for n, v in everything.items() if n not in params}
     else:
         import torch
 
@@ -170,9 +172,22 @@ def built_from_task(obj: Any, engine: str, device: Any, name: str) -> BuiltModel
         obj.train()
         params = {n: p for n, p in obj.named_parameters() if p.requires_grad}
         total = sum(p.numel() for p in obj.parameters())
+        frozen = {n: p.detach().float().cpu() for n, p in obj.named_parameters() if not p.requires_grad}
     if not params:
         raise ConfigError(f"task {name}: the model has no trainable parameters")
     trained = sum(int(getattr(v, "size", 0) if engine == "mlx" else v.numel()) for v in params.values())
     summary = f"model: {type(obj).__name__} from task {name}, {human(total)} parameters" + (
         ", all trained" if trained == total else f", {human(trained)} trained")
-    return BuiltModel(obj, params, total, 0, summary)
+    return BuiltModel(obj, params, total, 0, summary, _frozen_fingerprint(frozen))
+
+
+def _frozen_fingerprint(frozen: dict[str, Any]) -> str | None:
+    """What a task's frozen weights are (a base it loaded): every rank must hold the same,
+    and a resume must find the ones it was trained on. None when everything trains."""
+    if not frozen:
+        return None
+    import numpy as np
+
+    from ..engine.common import checksum
+
+    return f"frozen weights {checksum(np.asarray(frozen[n], np.float32) for n in sorted(frozen)):08x}"

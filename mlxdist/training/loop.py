@@ -391,6 +391,10 @@ class Trainer:
         mine = self.engine.base_fingerprint
         if meta.base_fingerprint == mine:
             return
+        if self.engine.base is None and self.cfg.task.factory:  # a task's frozen weights
+            raise ConfigError(f"checkpoint {path}: trained with {meta.base_fingerprint or 'no frozen weights'}, "
+                              f"task {self.task.name} now has {mine or 'none'}; resume with the base it was "
+                              "trained on (the same files the task loads)")
         if mine is None or meta.base_fingerprint is None:
             raise ConfigError(f"checkpoint {path}: trained on {'no' if meta.base_fingerprint is None else 'a'} "
                               f"pretrained base, but model.path is {self.cfg.model.path or 'unset'}")
@@ -404,9 +408,15 @@ class Trainer:
         model would train something else under the same name."""
         prints = self.world.allgather(self.engine.base_fingerprint)
         odd = [f"rank {r} ({self.hosts[r]})" for r, f in enumerate(prints) if f != prints[0]]
-        if odd:
-            raise ConfigError(f"model.path {self.cfg.model.path}: the base weights on {', '.join(odd)} differ from "
-                              f"rank 0's ({self.world.host}); copy the same model directory to every host")
+        if not odd:
+            return
+        err = ConfigError(f"task {self.task.name}: the frozen weights on {', '.join(odd)} differ from rank 0's "
+                          f"({self.hosts[0]}); copy the same files the task loads (a pretrained checkpoint) to every "
+                          "host" if self.engine.base is None else
+                          f"model.path {self.cfg.model.path}: the base weights on {', '.join(odd)} differ from "
+                          f"rank 0's ({self.hosts[0]}); copy the same model directory to every host")
+        err.all_ranks = True  # every rank saw the same gathered list: all stop, none aborts the others
+        raise err
 
     def _shrink_after_oom(self, error: BaseException, batches: list[Batch]) -> list[Batch]:
         self.engine.discard_gradients()
