@@ -151,6 +151,7 @@ def built_from_task(obj: Any, engine: str, device: Any, name: str) -> BuiltModel
     if isinstance(obj, BuiltModel):
         return obj
     if engine == "mlx":
+        import mlx.core as mx
         import mlx.nn as nn
         from mlx.utils import tree_flatten
 
@@ -161,7 +162,7 @@ def built_from_task(obj: Any, engine: str, device: Any, name: str) -> BuiltModel
         params = dict(tree_flatten(obj.trainable_parameters()))
         everything = dict(tree_flatten(obj.parameters()))
         total = sum(v.size for v in everything.values())
-        frozen = {n: v for n, v in everything.items() if n not in params}
+        frozen = {n: v.astype(mx.float32) for n, v in everything.items() if n not in params}  # numpy has no bf16
     else:
         import torch
 
