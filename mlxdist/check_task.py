@@ -96,7 +96,7 @@ def check_task(task: Task, engine: str = "mlx", device: str = "auto", config: Co
     """Run one batch whole and split; see `diagnose` for the verdict."""
     from .engine import make_engine
 
-    task = checked(task, "check_task(task)", _name(task))
+    task = checked(task, "check_task(task)")
     cfg = copy.deepcopy(config) if config is not None else Config()
     cfg.model.dtype = "float32"
     eng = make_engine(engine, cfg, device, task)
@@ -110,10 +110,6 @@ def check_task(task: Task, engine: str = "mlx", device: str = "auto", config: Co
     n_whole, n_split = whole.count, sum(p.count for p in parts)
     rel = _rel([g / max(n_whole, 1) for g in g_whole], [g / max(n_split, 1) for g in g_split])
     return diagnose(split, [p.count for p in parts], n_whole, l_whole, l_parts, rel, _rel(g_whole, g_again))
-
-
-def _name(task: Task) -> str:
-    return f"{getattr(task.build, '__module__', '?')}:{getattr(task.build, '__qualname__', '?')}"
 
 
 def main(argv: list[str] | None = None) -> int:

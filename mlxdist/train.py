@@ -65,16 +65,11 @@ def fit(task: Task, config: str | Path | Config | None = None, overrides: Sequen
         if cfg.task.factory:
             raise ConfigError(f"mlxdist.fit: the config sets task.factory ({cfg.task.factory}) and a task was "
                               "passed; remove one")
-        task = checked(task, "mlxdist.fit(task)", _task_name(task))
+        task = checked(task, "mlxdist.fit(task)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return _run(cfg, engine, device, task)
-
-
-def _task_name(task: Task) -> str:
-    build = getattr(task, "build", None)
-    return f"{getattr(build, '__module__', '?')}:{getattr(build, '__qualname__', '?')}"
 
 
 def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int:

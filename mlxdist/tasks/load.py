@@ -54,8 +54,9 @@ def task_from_factory(spec: str, args: dict[str, Any]) -> Task:
     return checked(task, f"task.factory '{spec}'", spec)
 
 
-def checked(task: Any, where: str, name: str) -> Task:
-    """The task, named, after the checks that need no framework."""
+def checked(task: Any, where: str, name: str | None = None) -> Task:
+    """The task, named (default: where its build function lives), after the checks that
+    need no framework."""
     if not isinstance(task, Task):
         raise TaskError(f"{where}: returned {type(task).__name__}, not an mlxdist.Task "
                         "(return mlxdist.Task(build=..., loss=..., dataset=...))")
@@ -71,7 +72,7 @@ def checked(task: Any, where: str, name: str) -> Task:
         if len(ds) == 0:
             raise TaskError(f"{where}: Task.{field} is empty")
     if task.name == "task":
-        task.name = name
+        task.name = name or f"{getattr(task.build, '__module__', '?')}:{getattr(task.build, '__qualname__', '?')}"
     return task
 
 
