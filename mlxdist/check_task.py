@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.check_task",
                                 description="Check that a task's loss is a sum over independent units (3+5 == 8).")
     p.add_argument("config", help="YAML config with task.factory (and task.args)")
-    p.add_argument("--engine", choices=("mlx", "torch"), default="mlx")
+    p.add_argument("--engine", choices=("mlx", "torch"), default="mlx", help="which framework runs the check")
     p.add_argument("--device", default="auto", help="torch engine: auto|cuda|mps|cpu")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     args = p.parse_intermixed_args(argv)

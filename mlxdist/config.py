@@ -27,12 +27,19 @@ class ConfigError(ValueError):
 _RANK_KEY = re.compile(r"rank\d+")
 
 
-def _range(lo: float | None = None, hi: float | None = None, choices: tuple = ()) -> dict:
-    return {"lo": lo, "hi": hi, "choices": choices}
+def _range(lo: float | None = None, hi: float | None = None, choices: tuple = (), help: str = "") -> dict:
+    """A field's bounds, and the line `--help` shows for it."""
+    return {"lo": lo, "hi": hi, "choices": choices, "help": help}
+
+
+def _help(text: str) -> dict:
+    return _range(help=text)
 
 
 @dataclass
 class ModelConfig:
+    """The built-in language model: a preset (sizes overridable) or a pretrained one."""
+
     preset: str = field(default="tiny", metadata=_range(choices=("tiny", "small", "base", "350m", "1b")))
     dim: int | None = field(default=None, metadata=_range(8))
     n_layers: int | None = field(default=None, metadata=_range(1))
@@ -43,40 +50,44 @@ class ModelConfig:
     rope_base: float = field(default=10000.0, metadata=_range(1.0))
     norm_eps: float = field(default=1e-5, metadata=_range(0.0, 1.0))
     tie_embeddings: bool = True
-    grad_checkpoint_every: int = field(default=0, metadata=_range(0))  # recompute every k-th layer
+    grad_checkpoint_every: int = field(default=0, metadata=_range(0, help="recompute every k-th layer in backward (0: off)"))
     dtype: str = field(default="float32", metadata=_range(choices=("float32", "bfloat16", "float16")))
-    # A pretrained model: a Hugging Face directory or a .gguf file (needs the `hf` extra).
-    path: str | None = None
-    quantize: int | None = field(default=None, metadata=_range(choices=(4, 8)))
+    path: str | None = field(default=None, metadata=_help("a pretrained model: Hugging Face dir or .gguf (`hf` extra)"))
+    quantize: int | None = field(default=None, metadata=_range(choices=(4, 8), help="QLoRA: quantize the base to N bits"))
 
 
 @dataclass
 class FinetuneConfig:
+    """Full training or adapters (LoRA/DoRA) on model.path."""
+
     method: str = field(default="full", metadata=_range(choices=("full", "lora", "dora")))
     rank: int = field(default=8, metadata=_range(1))
     alpha: float = field(default=16.0, metadata=_range(0.0))
     dropout: float = field(default=0.0, metadata=_range(0.0, 1.0))
-    # Comma-separated module names (the model's own, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj).
-    targets: str = "q_proj,v_proj"
-    layers: int = field(default=0, metadata=_range(0))  # adapt the last N layers; 0 = all
+    targets: str = field(default="q_proj,v_proj", metadata=_help("comma-separated module names of the model"))
+    layers: int = field(default=0, metadata=_range(0, help="adapt the last N layers (0: all)"))
     train_norms: bool = False
 
 
 @dataclass
 class DataConfig:
-    source: str = field(default="builtin", metadata=_range(choices=("builtin", "shards", "synthetic", "jsonl")))
-    path: str | None = None
+    """The built-in LM's data (a task brings its own)."""
+
+    source: str = field(default="builtin", metadata=_range(choices=("builtin", "shards", "synthetic", "jsonl", "hf")))
+    path: str | None = field(default=None, metadata=_help("shards dir, .jsonl file/dir, or hf: datasets name/dir"))
     task: str = field(default="copy", metadata=_range(choices=("copy", "reverse", "sort", "count")))
     seq_len: int = field(default=128, metadata=_range(4))
     overlap: int = field(default=0, metadata=_range(0))
     prefetch: int = field(default=4, metadata=_range(0, 1024))
     eval_fraction: float = field(default=0.02, metadata=_range(0.0, 0.5))
-    mask_prompt: bool = True  # jsonl prompt/completion and chat data: loss on the answer only
-    pack: bool = False  # jsonl: pack short examples into full windows
+    mask_prompt: bool = field(default=True, metadata=_help("jsonl prompt/chat data: loss on the answer only"))
+    pack: bool = field(default=False, metadata=_help("jsonl: pack short examples into full windows"))
 
 
 @dataclass
 class TrainConfig:
+    """Optimisation and the run's cadence."""
+
     steps: int = field(default=500, metadata=_range(1))
     batch_size: int = field(default=16, metadata=_range(1))
     accum: int = field(default=1, metadata=_range(1))
@@ -92,35 +103,42 @@ class TrainConfig:
     eps: float = field(default=1e-8, metadata=_range(0.0, 1.0))
     grad_clip: float = field(default=1.0, metadata=_range(0.0))
     eval_every: int = field(default=100, metadata=_range(0))
-    eval_batches: int = field(default=4, metadata=_range(0))  # 0: the whole eval set, each sample once
+    eval_batches: int = field(default=4, metadata=_range(0, help="0: the whole eval set, each sample once"))
     log_every: int = field(default=10, metadata=_range(1))
     early_stop_patience: int = field(default=0, metadata=_range(0))
     early_stop_min_delta: float = field(default=0.0, metadata=_range(0.0))
     seed: int = field(default=0, metadata=_range(0))
     out_dir: str = "runs/default"
     progress: bool = True
+    # A comma-separated string or a YAML list, so `Any`; validate() checks and normalises it.
+    report_to: Any = field(default="none", metadata={"help": "rank 0 also logs to: tensorboard,wandb,mlflow"})
 
 
 @dataclass
 class CheckpointConfig:
+    """When and how checkpoints are written, kept and resumed."""
+
     every: int = field(default=100, metadata=_range(0))
     keep_last: int = field(default=3, metadata=_range(1))
     keep_best: bool = True
     zstd_level: int = field(default=3, metadata=_range(1, 22))
     resume: str = "none"
-    # Every host (its first rank) also writes a verified copy, into RUN_DIR/replicas/HOST on
-    # hosts other than rank 0's: the run survives losing any one host's disk (--elastic).
-    on_every_host: bool = False
+    # The run survives losing any one host's disk (--elastic).
+    on_every_host: bool = field(default=False, metadata=_help("every host also keeps a verified copy (replicas/HOST)"))
 
 
 @dataclass
 class NodeConfig:
+    """Per host (`nodes: {HOST|rankN|default: ...}`): that host's share of each step."""
+
     batch_size: int = field(default=16, metadata=_range(1))
     memory_target: float | None = field(default=None, metadata=_range(0.05, 1.0))
 
 
 @dataclass
 class DistConfig:
+    """How ranks exchange gradients (ddp) or weights (diloco)."""
+
     mode: str = field(default="ddp", metadata=_range(choices=("ddp", "diloco")))
     backend: str = field(default="auto", metadata=_range(choices=("auto", "mlx-mpi", "mlx-ring", "mlx-jaccl", "mpi4py")))
     bucket_mb: float = field(default=25.0, metadata=_range(0.01))
@@ -128,10 +146,8 @@ class DistConfig:
     sync_weights_every: int = field(default=50, metadata=_range(0))
     stall_timeout_s: float = field(default=120.0, metadata=_range(1.0))
     ring_connections: int = field(default=1, metadata=_range(1, 16))
-    # Torch engine: send gradient buckets while backward still runs (as DDP does).
-    overlap: bool = True
-    # DiLoCo (dist.mode=diloco): H local steps, then an outer Nesterov step on averaged deltas.
-    inner_steps: int = field(default=50, metadata=_range(1))
+    overlap: bool = field(default=True, metadata=_help("torch: send gradient buckets while backward runs"))
+    inner_steps: int = field(default=50, metadata=_range(1, help="diloco: local steps per round, then an outer step"))
     outer_lr: float = field(default=0.7, metadata=_range(0.0, 10.0))
     outer_momentum: float = field(default=0.9, metadata=_range(0.0, 1.0))
     outer_wire: str = field(default="bfloat16", metadata=_range(choices=("float32", "bfloat16", "int8", "int4")))
@@ -145,6 +161,8 @@ class DistConfig:
 
 @dataclass
 class ControlConfig:
+    """Adaptive controllers: batch size by memory, balancing, health, plateau."""
+
     adapt_batch: bool = False
     memory_target: float = field(default=0.85, metadata=_range(0.05, 1.0))
     min_batch: int = field(default=1, metadata=_range(1))
@@ -163,13 +181,16 @@ class ControlConfig:
 
 @dataclass
 class TaskConfig:
-    # "package.module:callable" returning an mlxdist.Task; unset: the built-in LM (model.*, data.*).
-    factory: str | None = None
-    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the factory
+    """Your own model, loss and data (unset: the built-in LM)."""
+
+    factory: str | None = field(default=None, metadata=_help("package.module:callable returning an mlxdist.Task"))
+    args: dict[str, Any] = field(default_factory=dict, metadata=_help("keyword arguments of the factory"))
 
 
 @dataclass
 class MetricsConfig:
+    """Prometheus endpoint on every rank (port + local rank; 0: off)."""
+
     port: int = field(default=9400, metadata=_range(0, 65535))
     bind: str = "0.0.0.0"
 
@@ -431,6 +452,24 @@ def validate(cfg: Config) -> None:
         raise ConfigError("control.min_batch: must not exceed control.max_batch")
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
         raise ConfigError(f"checkpoint.resume: '{cfg.checkpoint.resume}' does not exist (use 'auto', 'none' or a checkpoint dir)")
+    cfg.train.report_to = ",".join(report_to_names(cfg.train.report_to)) or "none"
+
+
+# Experiment trackers beside Prometheus (telemetry/trackers.py); each needs its optional extra.
+REPORT_TO = ("tensorboard", "wandb", "mlflow")
+
+
+def report_to_names(value: Any) -> list[str]:
+    """`train.report_to` as tracker names: a YAML list, or the comma string an override gives."""
+    items = [] if value is None else value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ConfigError(f"train.report_to: expected a comma-separated string or a list, got {value!r}")
+    names = [n for n in (str(x).strip().lower() for x in items) if n and n != "none"]
+    for n in names:
+        if n not in REPORT_TO:
+            raise ConfigError(f"train.report_to: unknown tracker '{n}'; use one or more of "
+                              f"{', '.join(REPORT_TO)} (comma-separated), or none")
+    return list(dict.fromkeys(names))
 
 
 def _validate_diloco(d: DistConfig) -> None:
@@ -448,3 +487,33 @@ def _validate_diloco(d: DistConfig) -> None:
 def config_from_dict(data: dict) -> Config:
     """Rebuild a Config saved in a checkpoint (already validated when it was saved)."""
     return _build(Config, data, "")
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return "null" if f.default is None else yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("\n...")
+    return yaml.safe_dump(f.default_factory(), default_flow_style=True).strip()  # type: ignore[misc]
+
+
+def describe_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every key with its default, range and meaning, read from the dataclasses above, so
+    `--help` cannot fall behind the schema."""
+    lines: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp, key = hints[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            lines += [f"{key}:  {tp.__doc__}", *describe_keys(tp, key + ".")]
+            continue
+        if typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            node = typing.get_args(tp)[1]
+            lines += [f"{key}:  {node.__doc__}", *describe_keys(node, key + ".HOST.")]
+            continue
+        meta = f.metadata or {}
+        bounds = "|".join(map(str, meta["choices"])) if meta.get("choices") else ""
+        if meta.get("lo") is not None or meta.get("hi") is not None:
+            lo, hi = meta.get("lo"), meta.get("hi")
+            bounds = f">= {lo}" if hi is None else f"{lo}..{hi}"
+        note = "; ".join(x for x in (bounds, meta.get("help", "")) if x)
+        lines.append(f"  {key} = {_default_text(f)}" + (f"   ({note})" if note else ""))
+    return lines

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Export a run's newest valid checkpoint as a Hugging Face directory.")
     p.add_argument("run_dir", nargs="?", help="the run directory (holds checkpoints/)")
     p.add_argument("--out", required=True, help="directory to write (must be empty or absent)")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="dtype of the written weights")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     p.add_argument("--base", help="with --adapter: the base model directory (Hugging Face layout)")
     p.add_argument("--adapter", help="a PEFT adapter dir (adapter_config.json + adapter_model.safetensors)")

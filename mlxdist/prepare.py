@@ -49,9 +49,9 @@ def _encoder(model_path: str | None) -> tuple[Callable[[str], np.ndarray], int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.prepare")
     p.add_argument("inputs", nargs="+", help="text files, .jsonl files, or directories of them")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="directory for the token shards (data.path of the run)")
     p.add_argument("--field", default="text", help="JSONL field holding the text")
-    p.add_argument("--shard-tokens", type=int, default=50_000_000)
+    p.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens per shard file")
     p.add_argument("--tokenizer", metavar="MODEL_PATH",
                    help="tokenize with this pretrained model's tokenizer (HF directory or .gguf)")
     args = p.parse_args(argv)

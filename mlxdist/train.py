@@ -9,7 +9,9 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import Config, ConfigError, load_config
+import yaml
+
+from .config import Config, ConfigError, describe_keys, load_config
 from .engine import ENGINES, prepare_process
 from .tasks import Task
 from .tasks.load import checked
@@ -20,29 +22,36 @@ from .tasks.load import checked
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m mlxdist.train",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a model (the built-in LM, or task.factory: your own) on one machine or, under mpirun, on several.",
-        epilog="Overrides: dotted keys, e.g. train.lr=3e-4 train.steps=1000 model.preset=small. "
-               "Your own model: task.factory=package.module:callable (returns an mlxdist.Task; task.args=... "
-               "its keyword arguments), or mlxdist.fit(task) from Python; check it first with "
-               "python -m mlxdist.check_task CONFIG.",
+        epilog="Your own model: task.factory=package.module:callable (returns an mlxdist.Task; task.args=... "
+               "its keyword\narguments), or mlxdist.fit(task) from Python; check it first with "
+               "python -m mlxdist.check_task CONFIG.\n\n"
+               "Config keys (YAML sections, or KEY=VALUE overrides such as train.lr=3e-4), with defaults:\n"
+               + "\n".join(describe_keys()),
     )
     p.add_argument("--config", help="YAML config file (see configs/)")
-    p.add_argument("--engine", choices=ENGINES, default="mlx")
+    p.add_argument("--engine", choices=ENGINES, default="mlx", help="what does the math (default mlx)")
     p.add_argument("--device", default="auto", help="torch engine: auto|cuda|mps|cpu")
     p.add_argument("--resume", help="shortcut for checkpoint.resume=VALUE (auto, none or a checkpoint dir)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (defaults <- --config <- overrides) as YAML and exit")
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides (keys listed below)")
     return p.parse_intermixed_args(argv)  # overrides may sit on either side of --options
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prepare_process(args.engine)
     overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    prepare_process(args.engine)
     return _run(cfg, args.engine, args.device)
 
 

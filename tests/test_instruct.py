@@ -13,7 +13,7 @@ from tiny_hf import make_tokenizer
 from mlxdist.config import DataConfig
 from mlxdist.data.batch import TokenBatch
 from mlxdist.data.instruct import (
-    build_jsonl_datasets,
+    build_instruct_datasets,
     build_windows,
     load_instruct,
     read_jsonl,
@@ -130,9 +130,9 @@ def test_split_is_deterministic_disjoint_and_complete(tok, tmp_path):
     rows = [{"prompt": f"Q{i} ", "completion": f"A{i}"} for i in range(20)]
     cfg = DataConfig(source="jsonl", path=str(write_jsonl(tmp_path / "d.jsonl", rows)), seq_len=16,
                      eval_fraction=0.2)
-    tr, ev = build_jsonl_datasets(cfg, seed=3, tok=tok)
-    tr2, ev2 = build_jsonl_datasets(cfg, seed=3, tok=tok)
-    _, ev3 = build_jsonl_datasets(cfg, seed=4, tok=tok)
+    tr, ev = build_instruct_datasets(cfg, seed=3, tok=tok)
+    tr2, ev2 = build_instruct_datasets(cfg, seed=3, tok=tok)
+    _, ev3 = build_instruct_datasets(cfg, seed=4, tok=tok)
     assert (len(tr), len(ev)) == (16, 4)
     assert np.array_equal(ev.tokens, ev2.tokens) and np.array_equal(tr.tokens, tr2.tokens)
     assert not np.array_equal(ev.tokens, ev3.tokens)
@@ -143,11 +143,11 @@ def test_split_is_deterministic_disjoint_and_complete(tok, tmp_path):
 def test_directory_with_train_and_valid_files(tok, tmp_path):
     write_jsonl(tmp_path / "train.jsonl", PC)
     write_jsonl(tmp_path / "valid.jsonl", PC[:1])
-    tr, ev = build_jsonl_datasets(DataConfig(source="jsonl", path=str(tmp_path), seq_len=32), 0, tok)
+    tr, ev = build_instruct_datasets(DataConfig(source="jsonl", path=str(tmp_path), seq_len=32), 0, tok)
     assert (len(tr), len(ev)) == (3, 1)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="data.path: .*empty has no train.jsonl"):
-        build_jsonl_datasets(DataConfig(source="jsonl", path=str(tmp_path / "empty"), seq_len=32), 0, tok)
+        build_instruct_datasets(DataConfig(source="jsonl", path=str(tmp_path / "empty"), seq_len=32), 0, tok)
 
 
 def _smollm2():
@@ -173,3 +173,40 @@ def test_chat_masking_on_smollm2_real_template():
     ex = tokenize_example(CHAT[1], tok)
     assert "You are a helpful AI assistant named SmolLM" in tok.decode(ex.ids)
     assert tok.decode([i for i, t in zip(ex.ids, ex.trained, strict=True) if t]) == "I am fine, thanks.<|im_end|>\n"
+
+
+def test_hf_dataset_dir_reads_as_its_jsonl_twin(tok, tmp_path):
+    """data.source=hf: a `save_to_disk` DatasetDict (validation split as eval) and a plain
+    directory of data files (eval_fraction split) give the windows of the same rows as JSONL."""
+    datasets = pytest.importorskip("datasets", reason="pip install 'mlxdist[datasets]'")
+    rows = [{"prompt": f"Q{i} ", "completion": f"A{i}", "id": i} for i in range(12)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:9]),
+                          "validation": datasets.Dataset.from_list(rows[9:])}).save_to_disk(tmp_path / "saved")
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    write_jsonl(twin / "train.jsonl", [{k: r[k] for k in ("prompt", "completion")} for r in rows[:9]])
+    write_jsonl(twin / "valid.jsonl", [{k: r[k] for k in ("prompt", "completion")} for r in rows[9:]])
+    got = build_instruct_datasets(DataConfig(source="hf", path=str(tmp_path / "saved"), seq_len=16), 0, tok)
+    want = build_instruct_datasets(DataConfig(source="jsonl", path=str(twin), seq_len=16), 0, tok)
+    assert [len(d) for d in got] == [9, 3]
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g.tokens, w.tokens) and np.array_equal(g.mask, w.mask)
+
+    files = tmp_path / "files"
+    files.mkdir()
+    write_jsonl(files / "data.jsonl", rows)  # no split files: one train split, eval_fraction of it
+    cfg = dict(seq_len=16, eval_fraction=0.25)
+    got = build_instruct_datasets(DataConfig(source="hf", path=str(files), **cfg), 3, tok)
+    want = build_instruct_datasets(DataConfig(source="jsonl", path=str(files / "data.jsonl"), **cfg), 3, tok)
+    assert [len(d) for d in got] == [9, 3]
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g.tokens, w.tokens)
+
+
+def test_hf_dataset_with_other_columns_names_them(tok, tmp_path):
+    datasets = pytest.importorskip("datasets", reason="pip install 'mlxdist[datasets]'")
+    datasets.Dataset.from_list([{"question": "q", "answer": "a"}] * 3).save_to_disk(tmp_path / "qa")
+    with pytest.raises(ValueError, match=r"qa: columns \['answer', 'question'\]; expected 'text'"):
+        build_instruct_datasets(DataConfig(source="hf", path=str(tmp_path / "qa"), seq_len=16), 0, tok)
+    with pytest.raises(ValueError, match="data.path: .*nowhere"):
+        build_instruct_datasets(DataConfig(source="hf", path=str(tmp_path / "nowhere"), seq_len=16), 0, tok)

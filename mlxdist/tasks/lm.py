@@ -101,14 +101,14 @@ def lm_task(cfg: Config, base: Any = None, say: Callable[[str], None] | None = N
 
 def _datasets(cfg: Config, base: Any, say: Callable[[str], None] | None):
     data = cfg.data
-    if data.source != "jsonl":
+    if data.source not in ("jsonl", "hf"):
         return build_datasets(data, cfg.train.seed, cfg.model.vocab_size)
     if base is None:
-        raise ConfigError("data.source=jsonl: tokenizing needs the model's tokenizer; set model.path")
+        raise ConfigError(f"data.source={data.source}: tokenizing needs the model's tokenizer; set model.path")
     from ..data.hf_tokenizer import load_tokenizer
-    from ..data.instruct import build_jsonl_datasets
+    from ..data.instruct import build_instruct_datasets
 
-    train_set, eval_set = build_jsonl_datasets(data, cfg.train.seed, load_tokenizer(base.path).tok)
+    train_set, eval_set = build_instruct_datasets(data, cfg.train.seed, load_tokenizer(base.path).tok)
     if say is not None:
         say(train_set.stats.summary("train") + "; " + eval_set.stats.summary("eval"))
     return train_set, eval_set
