@@ -1,5 +1,6 @@
-"""One event, three sinks: a decision or observation is emitted once, by kind and fields,
-and becomes the JSONL event, the Prometheus metric and (when it has text) the log line here.
+"""One event, every sink: a decision or observation is emitted once, by kind and fields,
+and becomes the JSONL event, the Prometheus metric, rank 0's experiment-tracker scalars
+(`train.report_to`) and (when it has text) the log line here.
 
 The loop never talks to a sink directly, so a new decision cannot be logged but not
 counted, or counted under a name the event log does not use.
@@ -14,6 +15,7 @@ from typing import Any, TextIO
 from .. import markers
 from .events import EventLog, Progress
 from .metrics import Metrics
+from .trackers import Trackers
 
 
 class Log:
@@ -41,9 +43,14 @@ class Log:
 
 
 class Reporter:
-    def __init__(self, log: Log, events: EventLog, metrics: Metrics, progress: Progress):
+    def __init__(self, log: Log, events: EventLog, metrics: Metrics, progress: Progress,
+                 trackers: Trackers | None = None):
         self.log, self.events, self.metrics, self.progress = log, events, metrics, progress
+        self.trackers = trackers if trackers is not None else Trackers([])
+        self.trackers.warn = log
         log.progress = progress
+        if self.trackers.backends:
+            log(f"report_to: {self.trackers.describe()}")
         # Rank 0 also tells launch/mlxrun its steps and checkpoints (the elastic supervisor's clock).
         self.tell_supervisor = events.base.get("rank") == 0
 
@@ -51,6 +58,7 @@ class Reporter:
         """Record `kind` with `fields` in every sink; `text` is the human's version of it."""
         self.events.write(kind, **fields)
         self.metrics.record(kind, fields)
+        self.trackers.record(kind, fields)
         if self.tell_supervisor:
             markers.announce_event(kind, fields)
         if text:
@@ -61,6 +69,7 @@ class Reporter:
         self.log(text)
 
     def close(self) -> None:
+        self.trackers.close()  # first: its warnings still have a log to go to
         self.progress.close()
         self.events.close()
         self.log.close()

@@ -39,6 +39,7 @@ from ..tasks.load import resolve_task
 from ..telemetry.events import EventLog, Progress
 from ..telemetry.metrics import Metrics
 from ..telemetry.reporter import Log, Reporter
+from ..telemetry.trackers import start_trackers
 from . import faults
 from .evaluation import Evaluator
 from .states import ClusterInfo, ModelState
@@ -61,7 +62,7 @@ class Trainer:
         metrics = Metrics(w.rank, w.host)
         progress = Progress(cfg.train.steps, enabled=w.is_main and cfg.train.progress, every=cfg.train.log_every)
         self.report = Reporter(Log(w.rank, w.label, self.run_dir), EventLog(self.run_dir, w.rank, w.host),
-                               metrics, progress)
+                               metrics, progress, start_trackers(cfg, self.run_dir, w))
         for warning in getattr(cfg, "warnings", []):
             if w.is_main:
                 self.report.say(f"config: {warning}")
