@@ -91,6 +91,9 @@ def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int
         if os.environ.get("MLXDIST_DEBUG"):
             traceback.print_exc()
         if not getattr(e, "all_ranks", False):  # raised by every rank together: nobody waits
+            trackers = sys.modules.get("mlxdist.telemetry.trackers")
+            if trackers is not None:
+                trackers.close_open()
             _abort_peers()
         return 2 if isinstance(e, ConfigError) else 1
 

@@ -111,6 +111,15 @@ class ScalarMap:
         return out
 
 
+_OPEN: list[Trackers] = []
+
+
+def close_open() -> None:
+    """Close every open tracker now, as failed: before MPI_Abort, which runs no exit handlers."""
+    for trackers in list(_OPEN):
+        trackers.close()
+
+
 class Trackers:
     """The fourth sink of `Reporter.emit`: fans one event out to every tracker.
 
@@ -125,6 +134,7 @@ class Trackers:
         self.status = "failed"  # until the `end` event says otherwise
         if self.backends:
             atexit.register(self.close)
+            _OPEN.append(self)
 
     def describe(self) -> str:
         return ", ".join(f"{t.name} -> {t.where}" for t in self.backends)
@@ -152,6 +162,8 @@ class Trackers:
     def close(self) -> None:
         backends, self.backends = self.backends, []
         atexit.unregister(self.close)
+        if self in _OPEN:
+            _OPEN.remove(self)
         for t in backends:
             try:
                 t.close(self.status)
