@@ -16,7 +16,7 @@ def test_roundtrip_and_manifest(tmp_path):
     path = ckpt.save(tmp_path, 5, w, {"m.b": np.ones(5, np.float32)}, {"step": 5, "config": {"x": 1}})
     assert path.name == "step_00000005"
     manifest = json.loads((path / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"model.safetensors.zst", "optimizer.safetensors.zst", "state.json"}
+    assert set(manifest["files"]) == {"model.safetensors", "optimizer.safetensors", "state.json"}
     got = ckpt.load(path)
     assert all(np.array_equal(got.weights[k], w[k]) for k in w)
     assert got.state["step"] == 5 and got.optimizer["m.b"].tolist() == [1.0] * 5
@@ -31,10 +31,27 @@ def test_safetensors_layout_is_standard():
     assert np.frombuffer(raw[8 + n :], np.float32).tolist() == list(range(6))
 
 
+def test_weights_open_with_any_safetensors_reader(tmp_path):
+    """The array files are plain safetensors: memory-mapped by safe_open, read by MLX, no mlxdist."""
+    import mlx.core as mx
+    from safetensors import safe_open
+
+    w = _weights(1)
+    path = ckpt.save(tmp_path, 1, w, {}, {"step": 1}, sync={"momentum.0": np.zeros(2, np.float32)})
+    with safe_open(str(path / "model.safetensors"), framework="np") as f:
+        assert sorted(f.keys()) == sorted(w) and np.array_equal(f.get_tensor("b"), w["b"])
+    assert np.array_equal(np.array(mx.load(str(path / "model.safetensors"))["a.weight"]), w["a.weight"])
+    assert ckpt.load(path).sync["momentum.0"].tolist() == [0, 0]
+    assert {f.name for f in path.iterdir()} == {"model.safetensors", "optimizer.safetensors", "sync.safetensors",
+                                                "state.json", "manifest.json"}
+    # The package creates its files 0600; ours follow the umask like the JSON beside them.
+    assert (path / "model.safetensors").stat().st_mode == (path / "state.json").stat().st_mode
+
+
 def test_corrupt_newest_falls_back_with_warning(tmp_path):
     for step in (1, 2, 3):
         ckpt.save(tmp_path, step, _weights(step), {}, {"step": step})
-    newest = tmp_path / "step_00000003" / "model.safetensors.zst"
+    newest = tmp_path / "step_00000003" / "model.safetensors"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))

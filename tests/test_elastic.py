@@ -135,14 +135,14 @@ def test_resume_and_probe_find_the_newest_whole_copy_on_this_host(tmp_path):
     newest = _save(tmp_path / "replicas" / "b", 6)
     assert [p.parent.name + "/" + p.name for p in all_copies(tmp_path)] == [
         "b/step_00000006", "checkpoints/step_00000003", "b/step_00000003"]
-    (newest / "model.safetensors.zst").write_bytes(b"rot")  # this host's newest copy rotted
+    (newest / "model.safetensors").write_bytes(b"rot")  # this host's newest copy rotted
     r = subprocess.run([sys.executable, "-m", "mlxdist.state.checkpointer", "probe", str(tmp_path)],
                        capture_output=True, text=True, env=env(), timeout=60)
     assert r.returncode == 0, r.stderr
     answer = json.loads(r.stdout)
     assert answer["newest"] == {"path": str(tmp_path / "checkpoints" / "step_00000003"), "step": 3,
                                 "global_batch": 12}
-    assert "model.safetensors.zst fails its sha256 check" in answer["unusable"][0]
+    assert "model.safetensors fails its sha256 check" in answer["unusable"][0]
     assert newest.is_dir()  # reported, never deleted
     warned = []
     loaded = Checkpointer(CheckpointConfig(resume="auto"), tmp_path).for_resume(warned.append)

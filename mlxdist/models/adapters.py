@@ -61,7 +61,7 @@ def to_peft_tensors(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = {}
     for name, v in state.items():
         path, leaf = _split(name)
-        v = np.asarray(v, dtype=np.float32)
+        v = np.ascontiguousarray(v, dtype=np.float32)  # safetensors writes a strided view's raw memory
         if leaf == "lora_a":
             out[f"{PEFT_PREFIX}{path}.lora_A.weight"] = np.ascontiguousarray(v.T)
         elif leaf == "lora_b":
@@ -200,7 +200,7 @@ def save_mlx_lm_adapter(state: dict[str, np.ndarray], cfg: FinetuneConfig, n_lay
     conf = {"fine_tune_type": cfg.method, "num_layers": len(layers),
             "lora_parameters": {"rank": cfg.rank, "scale": lora_scale(cfg), "dropout": cfg.dropout,
                                 "keys": _keys(state)}}
-    save_file({k: np.asarray(v, np.float32) for k, v in state.items()}, str(out / "adapters.safetensors"),
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}, str(out / "adapters.safetensors"),
               metadata={"format": "mlx"})
     (out / "adapter_config.json").write_text(json.dumps(conf, indent=2))
     return out

@@ -111,10 +111,16 @@ def _fingerprint(config: dict, files: dict[str, str]) -> str:
     return h.hexdigest()[:32]
 
 
-def _safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
+def _safetensors_shapes(path: Path) -> list[list[int]]:
+    """Every tensor's shape, from the header alone (the file is mapped, not read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="np") as f:
+            names = f.keys()  # a safe_open handle is not iterable itself
+            return [f.get_slice(name).get_shape() for name in names]
+    except SafetensorError as e:
+        raise PretrainedError(f"model.path: {path}: not a readable safetensors file ({e})") from None
 
 
 def _inspect_dir(p: Path, full_hash: bool) -> PretrainedInfo:
@@ -144,11 +150,9 @@ def _inspect_dir(p: Path, full_hash: bool) -> PretrainedInfo:
                               "copy the tokenizer files of the base model into it")
     n_params, bits = 0, None
     for w in weights:
-        for name, meta in _safetensors_header(w).items():
-            if name == "__metadata__":
-                continue
+        for shape in _safetensors_shapes(w):
             count = 1
-            for d in meta["shape"]:
+            for d in shape:
                 count *= d
             n_params += count
     q = config.get("quantization") or {}

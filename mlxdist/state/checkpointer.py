@@ -127,7 +127,7 @@ class Checkpointer:
         if not self.writes:
             return None
         path = ckpt.save(self.write_dir, step, files.get("model", {}), files.get("optimizer", {}), state,
-                         self.cfg.zstd_level, sync=files.get("sync"))
+                         sync=files.get("sync"))
         ckpt.apply_retention(self.write_dir, self.cfg.keep_last, self.cfg.keep_best)
         return path, time.perf_counter() - t0
 
