@@ -1,4 +1,4 @@
-"""`python -m mlxdist.bench {overhead,allreduce,torchddp,balance,diloco,load,finetune}`: speed claims, measured as ratios.
+"""`python -m mlxdist.bench NAME [options]` (or `mlxdist-bench`): speed claims, measured as ratios.
 
 Every benchmark runs its baseline in the same process run, interleaved, because these
 machines are noisy: only ratios measured side by side mean anything.
@@ -6,59 +6,49 @@ machines are noisy: only ratios measured side by side mean anything.
 
 from __future__ import annotations
 
+import importlib
 import sys
+
+# name -> (module, entry point, whether MLX runs in this process: then the fast BLAS is
+# preloaded first, by a re-exec, before anything imports MLX), what it measures.
+BENCHMARKS = {
+    "overhead": ("overhead", "overhead", True, "the trainer against the shortest correct MLX loop (or --task)"),
+    "allreduce": ("allreduce", "main", False, "gradient all-reduce throughput per backend vs the link"),
+    "torchddp": ("torchddp", "main", False, "torch engine across ranks vs torch.distributed DDP"),
+    "balance": ("balance", "main", False, "unequal hosts: balanced vs equal split vs ideal"),
+    "diloco": ("diloco", "main", False, "DiLoCo vs DDP on slow links, against the no-communication bound"),
+    "load": ("load", "main", True, "SmolLM2 load and first step: ours vs mlx-lm"),
+    "finetune": ("finetune", "main", False, "LoRA steps: ours vs mlx-lm and transformers + peft"),
+    "generate": ("generate", "main", True, "mlxdist.generate vs mlx_lm.generate, tokens/s"),
+    "checkpoint-io": ("checkpoint_io", "main", False, "checkpoint write/read: plain safetensors vs zstd"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    return "usage: python -m mlxdist.bench NAME [options]   (NAME --help for its options)\n\n" + "\n".join(
+        f"  {name:<{width}}  {about}" for name, (*_, about) in BENCHMARKS.items())
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m mlxdist.bench {overhead,allreduce,torchddp,balance,diloco,load,finetune} [options]")
+        print(usage())
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"error: unknown benchmark '{name}' ({', '.join(BENCHMARKS)})", file=sys.stderr)
+        return 2
+    module, entry, uses_mlx, _ = BENCHMARKS[name]
     try:
-        return _run(name, rest)
+        if uses_mlx:
+            from ..blas import ensure_openblas
+
+            ensure_openblas()
+        return getattr(importlib.import_module(f"{__package__}.{module}"), entry)(rest)
     except FileNotFoundError as e:  # mpirun or a data file: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def _run(name: str, rest: list[str]) -> int:
-    if name == "overhead":
-        from ..blas import ensure_openblas
-
-        ensure_openblas()
-        from .overhead import overhead
-
-        return overhead(rest)
-    if name == "torchddp":
-        from .torchddp import main as torchddp_main
-
-        return torchddp_main(rest)
-    if name == "allreduce":
-        from .allreduce import main as allreduce_main
-
-        return allreduce_main(rest)
-    if name == "balance":
-        from .balance import main as balance_main
-
-        return balance_main(rest)
-    if name == "diloco":
-        from .diloco import main as diloco_main
-
-        return diloco_main(rest)
-    if name == "load":
-        from ..blas import ensure_openblas
-
-        ensure_openblas()
-        from .load import main as load_main
-
-        return load_main(rest)
-    if name == "finetune":
-        from .finetune import main as finetune_main
-
-        return finetune_main(rest)
-    print(f"error: unknown benchmark '{name}' (overhead, allreduce, balance, diloco, load, finetune)", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":
