@@ -21,6 +21,9 @@ class DataParallel:
     def describe(self) -> str | None:
         return None
 
+    def trains(self, step: int) -> bool:
+        return True
+
     def step(self, engine: Engine, lr: float) -> StepStats:
         self.world.rendezvous("waiting for the other ranks to finish computing")
         local = engine.take_gradients()

@@ -45,15 +45,32 @@ class OuterOptimizer:
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.buf: dict[int, np.ndarray] = {}
 
-    def step(self, index: int, param: np.ndarray, grad: np.ndarray) -> np.ndarray:
+    def step(self, index: int, param: np.ndarray, grad: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+        """Updates `param` (and the momentum buffer) in place and returns it. The same fp32
+        operations in the same order as the textbook expression, so every rank (and the
+        reference in the tests) gets the same bits; `scratch` (param's size) spares the
+        one temporary, whose page faults cost more than the arithmetic on a big model."""
         if self.momentum:
+            mu = np.float32(self.momentum)
             buf = self.buf.get(index)
-            buf = grad.copy() if buf is None else buf * np.float32(self.momentum) + grad
-            self.buf[index] = buf
-            grad = grad + np.float32(self.momentum) * buf if self.nesterov else buf
-        return param - np.float32(self.lr) * grad
+            if buf is None:
+                buf = self.buf[index] = grad.copy()
+            else:
+                buf *= mu
+                buf += grad
+            if self.nesterov:
+                step = np.multiply(buf, mu, out=scratch)
+                step += grad
+            else:
+                step = np.multiply(buf, np.float32(1), out=scratch)
+        else:
+            step = np.multiply(grad, np.float32(1), out=scratch)  # grad is the caller's: never touched
+        step *= np.float32(self.lr)
+        param -= step
+        return param
 
     def state_dict(self) -> dict[str, np.ndarray]:
+        # The live buffers (they change in place): the checkpointer writes them out at once.
         return {f"momentum.{i}": b for i, b in sorted(self.buf.items())}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
@@ -63,13 +80,14 @@ class OuterOptimizer:
 
 @dataclass
 class Outgoing:
-    """One rank's side of a fragment sync, between `begin` and `exchange`."""
+    """One rank's side of a fragment sync, between `take` and `exchange`."""
     fragment: int
     size: int
     samples: int
     inner_steps: int
     delta: np.ndarray | None = None
     payload: np.ndarray | None = None
+    prepare_seconds: float = 0.0
 
 
 @dataclass
@@ -82,7 +100,12 @@ class Incoming:
 
 @dataclass
 class OuterStats:
-    """What one outer sync did, for the metrics (`rank`-labelled by the caller)."""
+    """What one outer sync did, for the metrics (`rank`-labelled by the caller).
+    `seconds` is the exchange (wire, and decoding for lossy wires); `prepare_seconds`
+    the pseudo-gradient and its encoding, `outer_seconds` the outer step on the anchors:
+    the CPU work a sync costs besides the wire; `main_seconds` what the training thread
+    spent on it (all of it when blocking; handing over and mixing when overlapped, and
+    `wait_seconds` of that waiting for a sync that had not finished when due to land)."""
     fragment: int
     seconds: float
     bytes: int
@@ -90,14 +113,20 @@ class OuterStats:
     inner_steps: int
     samples: int
     total_samples: int
+    prepare_seconds: float = 0.0
+    outer_seconds: float = 0.0
+    main_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 class DiLoCo:
     """Anchors, outer momentum, wire residuals and the fragment schedule of one rank.
 
-    Per inner step the caller calls `advance(samples)`; for each fragment it returns,
-    it calls `outer_step(k, local weights of fragment_params(k), ...)` on every rank
-    and loads the returned arrays into the model (the inner optimizer state stays).
+    Per step of the round the caller calls `advance(samples, inner)`; for each fragment it
+    returns, it calls `outer_step(k, local weights of fragment_params(k), ...)` on every
+    rank and loads the returned arrays into the model (the inner optimizer state stays).
+    A round is `period` steps; a rank may sit some of them out (`inner=0`, no samples:
+    the time box), so its inner steps per round can be fewer than the period.
     """
 
     def __init__(self, weights: Sequence[np.ndarray], *, inner_steps: int = 50, outer_lr: float = 0.7,
@@ -115,6 +144,7 @@ class DiLoCo:
         self.cursor = 0
         self.round_steps = 0
         self.samples = [0] * fragments
+        self.inner = [0] * fragments  # this rank's inner steps since each fragment last synced
         self.residuals: dict[int, np.ndarray] = {}
         self.last: OuterStats | None = None
         self._pending: set[int] = set()
@@ -137,19 +167,21 @@ class DiLoCo:
             return [self.cursor]
         return []
 
-    def advance(self, samples: int) -> list[int]:
-        """Count one finished inner step of `samples` samples; return the fragments due."""
+    def advance(self, samples: int, inner: int = 1) -> list[int]:
+        """Count one finished step of the round, in which this rank did `inner` inner steps
+        (0: it sat the step out) on `samples` samples; return the fragments due."""
         self.round_steps += 1
         for k in range(self.fragments):
             self.samples[k] += int(samples)
+            self.inner[k] += int(inner)
         return self.due()
 
     def set_period(self, steps: int) -> None:
-        """This rank's inner steps per round (time box), from the next round on."""
+        """Steps per round from the next round on (now, between rounds)."""
         if steps < self.fragments:
-            raise ValueError(f"inner steps per round ({steps}) below dist.fragments={self.fragments}")
+            raise ValueError(f"steps per round ({steps}) below dist.fragments={self.fragments}")
         if self.round_steps == 0 and self.cursor == 0:
-            self.period = steps
+            self.period, self.next_period = steps, None
         else:
             self.next_period = steps
 
@@ -158,23 +190,36 @@ class DiLoCo:
         idx = range(len(self.anchors)) if k is None else self.groups[k]
         return [self.anchors[i].reshape(self.shapes[i]).copy() for i in idx]
 
-    def begin(self, k: int, local: Sequence[np.ndarray]) -> Outgoing:
-        """First half of a sync of fragment k: this rank's pseudo-gradient, encoded. Moves
-        the schedule on at once, so inner steps may go on while the bytes travel."""
+    def take(self, k: int) -> Outgoing:
+        """Start a sync of fragment k: its counts, and the schedule moves on at once, so
+        inner steps may go on while `prepare`, `exchange` and `finish` run (elsewhere)."""
         if k != self.cursor:
             raise RuntimeError(f"DiLoCo: fragment {k} synced out of turn (expected {self.cursor})")
         if k in self._pending:
             raise RuntimeError(f"DiLoCo: fragment {k} started again before its last sync finished")
-        idx = self.groups[k]
+        out = Outgoing(k, sum(self.anchors[i].size for i in self.groups[k]), self.samples[k], self.inner[k])
+        self._pending.add(k)
+        self.samples[k], self.inner[k] = 0, 0
+        self.cursor += 1
+        if self.cursor == self.fragments:
+            self.cursor, self.round_steps = 0, 0
+            if self.next_period is not None:
+                self.period, self.next_period = self.next_period, None
+        return out
+
+    def prepare(self, out: Outgoing, local: Sequence[np.ndarray]) -> Outgoing:
+        """This rank's pseudo-gradient of the fragment (anchor - local), encoded for the wire.
+        Touches only that fragment's buffers and anchors (may run on a worker thread)."""
+        t0 = time.perf_counter()
+        k, idx = out.fragment, self.groups[out.fragment]
         if len(local) != len(idx):
             raise ValueError(f"DiLoCo: fragment {k} has {len(idx)} arrays, got {len(local)}")
-        delta = self._buffer(("delta", k), sum(self.anchors[i].size for i in idx))
+        delta = self._buffer(("delta", k), out.size)
         offset = 0
         for i, w in zip(idx, local, strict=True):
             n = self.anchors[i].size
             np.subtract(self.anchors[i], np.asarray(w, np.float32).reshape(-1), out=delta[offset: offset + n])
             offset += n
-        out = Outgoing(k, delta.size, self.samples[k], self.round_steps)
         if self.codec.lossy:
             residual = self.residuals.get(k)
             if residual is None:
@@ -183,14 +228,12 @@ class DiLoCo:
                                           self.codec.encode(delta, residual, consume=True)])
         else:
             out.delta = delta
-        self._pending.add(k)
-        self.samples[k] = 0
-        self.cursor += 1
-        if self.cursor == self.fragments:
-            self.cursor, self.round_steps = 0, 0
-            if self.next_period is not None:
-                self.period, self.next_period = self.next_period, None
+        out.prepare_seconds = time.perf_counter() - t0
         return out
+
+    def begin(self, k: int, local: Sequence[np.ndarray]) -> Outgoing:
+        """`take` and `prepare` in one (the blocking sync)."""
+        return self.prepare(self.take(k), local)
 
     def _buffer(self, key: tuple, size: int) -> np.ndarray:
         """A fragment's fp32 work array, reused every round: a fresh model-sized array per
@@ -203,7 +246,7 @@ class DiLoCo:
     def exchange(self, out: Outgoing, allreduce_sum: AllReduceSum, allgather: AllGather | None = None) -> Incoming:
         """The collective part: the sample-weighted mean pseudo-gradient over all ranks.
         Touches only this fragment's buffers, so it may run on a background thread
-        (one at a time, in `begin` order, on every rank)."""
+        (one at a time, in `take` order, on every rank)."""
         t0 = time.perf_counter()
         if out.delta is not None:
             hi, lo = divmod(out.samples, _DIGIT)
@@ -236,19 +279,40 @@ class DiLoCo:
             nbytes = out.payload.size
         return Incoming(g, total, nbytes, time.perf_counter() - t0)
 
-    def finish(self, out: Outgoing, inc: Incoming) -> list[np.ndarray]:
-        """Second half: one outer step on fragment k's anchors; returns its new weights."""
+    def apply(self, out: Outgoing, inc: Incoming) -> tuple[list[np.ndarray], OuterStats]:
+        """One outer step on fragment k's anchors: its new weights and what the sync did.
+        Touches only that fragment's anchors and momentum (may run on a worker thread);
+        the fragment stays pending until `landed`."""
+        t0 = time.perf_counter()
         k = out.fragment
         if inc.total:
             offset = 0
             for i in self.groups[k]:
                 n = self.anchors[i].size
-                self.anchors[i] = self.outer.step(i, self.anchors[i], inc.grad[offset: offset + n])
+                scratch = self._buffer(("part", k), out.size)[:n]  # free again once exchanged
+                self.outer.step(i, self.anchors[i], inc.grad[offset: offset + n], scratch)
                 offset += n
+        stats = OuterStats(k, inc.seconds, inc.bytes, float(np.linalg.norm(inc.grad)), out.inner_steps,
+                           out.samples, inc.total, out.prepare_seconds, time.perf_counter() - t0)
+        return self.anchor_weights(k), stats
+
+    def landed(self, k: int, stats: OuterStats | None = None) -> None:
+        """Fragment k's new weights are in the model (or dropped): its next sync may start."""
         self._pending.discard(k)
-        self.last = OuterStats(k, inc.seconds, inc.bytes, float(np.linalg.norm(inc.grad)), out.inner_steps,
-                               out.samples, inc.total)
-        return self.anchor_weights(k)
+        if stats is not None:
+            self.last = stats
+
+    def finish(self, out: Outgoing, inc: Incoming) -> list[np.ndarray]:
+        """Second half: one outer step on fragment k's anchors; returns its new weights."""
+        new, stats = self.apply(out, inc)
+        self.landed(out.fragment, stats)
+        return new
+
+    def complete(self, out: Outgoing, local: Sequence[np.ndarray], allreduce_sum: AllReduceSum,
+                 allgather: AllGather | None = None) -> tuple[list[np.ndarray], OuterStats]:
+        """Everything of a sync after `take`, for a worker thread: encode, exchange, outer step."""
+        self.prepare(out, local)
+        return self.apply(out, self.exchange(out, allreduce_sum, allgather))
 
     def outer_step(self, k: int, local: Sequence[np.ndarray], allreduce_sum: AllReduceSum,
                    allgather: AllGather | None = None) -> list[np.ndarray]:
@@ -262,8 +326,10 @@ class DiLoCo:
         return self.finish(out, self.exchange(out, allreduce_sum, allgather))
 
     # Checkpoints. "global.*" is identical on every rank (anchors, momentum, fragment
-    # cursor); "rank.*" is this rank's own (wire residuals, samples since the last sync,
-    # position in the round). All values are numpy arrays, for a safetensors file.
+    # cursor); "rank.*" is this rank's own (wire residuals, samples and inner steps since
+    # the last sync, position in the round). All values are numpy arrays, for a
+    # safetensors file. Anchors, momentum and residuals are the live arrays (they change
+    # in place at the next sync): write them out before training goes on.
 
     def state_dict(self) -> dict[str, np.ndarray]:
         if self._pending:
@@ -273,6 +339,7 @@ class DiLoCo:
         out["global.cursor"] = np.array([self.cursor, self.fragments], np.int64)
         out.update({f"rank.residual.{k}": r for k, r in sorted(self.residuals.items())})
         out["rank.samples"] = np.array(self.samples, np.int64)
+        out["rank.inner"] = np.array(self.inner, np.int64)
         out["rank.round"] = np.array([self.round_steps, self.period, self.next_period or 0], np.int64)
         return out
 
@@ -298,7 +365,11 @@ class DiLoCo:
             self.samples = [int(x) for x in state["rank.samples"]]
             self.round_steps, self.period, nxt = (int(x) for x in state["rank.round"])
             self.next_period = nxt or None
+            # Files from before inner steps were counted apart from the round's steps.
+            self.inner = ([int(x) for x in state["rank.inner"]] if "rank.inner" in state
+                          else [self.round_steps] * self.fragments)
         else:
             self.residuals = {}
             self.samples = [0] * self.fragments
+            self.inner = [0] * self.fragments
             self.round_steps = threshold(cursor - 1, self.period, self.fragments) if cursor else 0

@@ -7,14 +7,22 @@ control numbers every `control.balance_interval` steps and at the end: between m
 no rank waits for a slower one, and a stop request takes at most that many steps. The
 drift check does not apply: ranks differ between outer syncs by design.
 
+With a time box (`dist.sync_every_s`) a round is as many of the cluster's steps as the
+fastest rank fits in the box; a slower rank trains on fewer of them and sits the rest out
+(`trains`), so every rank reaches the outer sync at the same time with as many inner
+steps as its speed allowed. The step counter, learning-rate schedule, data stream,
+evaluations and checkpoints stay the cluster's, the same on every rank; the ranks meet
+only where rounds end (a meeting mid-round would make the fast ones wait).
+
 The outer state is split the way it lives: what every rank shares (outer momentum,
-fragment cursor; the anchors are the checkpoint's model weights) goes into the run's
-checkpoint, what is each rank's own (local weights, AdamW moments, wire residuals, round
-position) into a per-rank file (`state/rank_state.py`).
+fragment cursor, the time box's plan; the anchors are the checkpoint's model weights) goes
+into the run's checkpoint, what is each rank's own (local weights, AdamW moments, wire
+residuals, round position) into a per-rank file (`state/rank_state.py`).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +34,7 @@ from ..engine.base import Engine, StepStats, local_step
 from ..state import rank_state
 from .comm import allgather_from_comm, allreduce_from_comm
 from .diloco import DiLoCo, OuterStats
+from .fragments import TimeBox
 from .overlap import OverlappedSync
 
 
@@ -36,19 +45,41 @@ class DiLoCoStrategy:
         self.world, self.hosts, self.dist = world, hosts, cfg.dist
         self.meet_every, self.steps = cfg.control.balance_interval, cfg.train.steps
         self.outer = OuterSync(cfg.dist, engine.get_weights(), world.comm)
+        d = cfg.dist
+        # A round must give each fragment a step of its own, and an overlapped sync must
+        # land before its fragment's next one starts.
+        self.box = (TimeBox(d.sync_every_s, world.rank, world.size, d.inner_steps,
+                            max(d.fragments, d.overlap_steps + 1)) if d.sync_every_s else None)
+        self.round_start = 0  # the step the round in progress began after
         self._rollback_wanted = False
+        self._working = True
+        self._last = StepStats(0.0, 0, 0.0, False, local=True)
 
     def describe(self) -> str:
         return describe(self.dist)
 
+    def trains(self, step: int) -> bool:
+        """Every step without a time box; with one, the steps of the round this rank's
+        share of the plan spreads evenly over it."""
+        self._working = self.box.start_step(self.outer.dl.round_steps) if self.box is not None else True
+        return self._working
+
     def step(self, engine: Engine, lr: float) -> StepStats:
-        return local_step(engine, lr)
+        if self._working:
+            self._last = local_step(engine, lr)
+        if self.box is not None:
+            self.box.computed()
+        return self._last  # a step sat out: nothing new; the loop neither judges nor reports it
 
     def before_last_backward(self, engine: Engine) -> None:
         pass  # inner steps exchange nothing
 
     def meets(self, step: int) -> bool:
-        return step % self.meet_every == 0 or step >= self.steps
+        if step >= self.steps:
+            return True
+        if self.box is not None:  # where the round ends: there the ranks arrive together
+            return step == self.round_start + self.outer.dl.period
+        return step % self.meet_every == 0
 
     def agree_on_rollback(self, wanted: bool, step: int) -> bool:
         """A rank's wish (its own loss blew up) waits for the next meeting, where any rank's
@@ -61,16 +92,25 @@ class DiLoCoStrategy:
         return agreed
 
     def after_step(self, engine: Engine, step: int, samples: int, last: bool) -> list[Decision]:
-        return [self._event(step, s) for s in self.outer.after_step(engine, samples, last)]
+        worked = self._working
+        stats, closed = self.outer.after_step(engine, samples if worked else 0, int(worked), last)
+        events = [self._event(step, s) for s in stats]
+        if closed is not None:
+            events.append(self._close_round(step, *closed))
+        if self.box is not None:
+            self.box.step_done(synced=bool(events))
+        return events
 
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
+        if self.box is not None:
+            self.box.skip_step()  # a checkpoint is no measure of this rank's pace
         return [self._event(step, s) for s in self.outer.drain(engine)]
 
     def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
         return self.outer.anchors()
 
     def state_dict(self, engine: Engine) -> dict[str, np.ndarray]:
-        return self.outer.shared_state()
+        return self.outer.shared_state() | (self.box.state_dict() if self.box is not None else {})
 
     def save_rank_state(self, root: Path, step: int, engine: Engine, keep: int) -> None:
         opt_step = engine.get_optimizer_state()[1]
@@ -81,9 +121,13 @@ class DiLoCoStrategy:
     def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
                         optimizer_step: int) -> list[Decision]:
         """Exact when every rank finds its own file of that step from this same cluster;
-        otherwise (fewer hosts, a file lost with its host) from the shared state alone."""
+        otherwise (fewer hosts, a file lost with its host) from the shared state alone.
+        A time-boxed round in progress replays the counts its plan saved, not new timings."""
         if shared is None:  # a fresh run: the round starts from the weights every rank now holds
             self.outer.restore({}, None, engine, optimizer_step)
+            if self.box is not None:
+                self.box.restart_clock(resume=True)
+            self.round_start = 0
             return []
         w = self.world
         try:
@@ -97,11 +141,47 @@ class DiLoCoStrategy:
             own = None
             events.append(Decision("diloco_resume", f"diloco: resuming from the shared outer state only "
                                    f"({reasons[0]}); each rank restarts its round from the last synced weights"))
-        self.outer.restore(shared, own, engine, own_step if own is not None else optimizer_step)
+        period = int(own["rank.round"][1]) if own is not None and "rank.round" in own else None
+        if self.box is not None:
+            replayed = self.box.load_state_dict(shared, period or self.outer.dl.period)
+            period = self.box.plan.steps
+            if not replayed and w.is_main:
+                events.append(Decision("diloco_resume", "diloco: no time-box plan for this many ranks in the "
+                                       "checkpoint; every rank trains on every step of this round, the next "
+                                       "one is timed"))
+        self.outer.restore(shared, own, engine, own_step if own is not None else optimizer_step, period)
+        if self.box is None and self.outer.dl.period != self.dist.inner_steps:
+            self.outer.dl.set_period(self.dist.inner_steps)  # a time-boxed checkpoint, resumed step-counted
+        self.round_start = step - self.outer.dl.round_steps
         return events
 
     def close(self) -> None:
         self.outer.close()
+
+    def _close_round(self, step: int, ticks: int, inner: int, samples: int) -> Decision:
+        """The round's counts (all-gathered under a time box, where the plan of the next one
+        is made from them) as a `diloco_round` event; the round's steps start over."""
+        started, self.round_start = self.round_start, step
+        if self.box is None:
+            n = self.world.size
+            return Decision("diloco_round", None, dict(
+                step=step, round_steps=ticks, inner_steps=[inner] * n, samples=[samples] * n))
+        gathered = self.world.allgather(self.box.report(samples, inner))
+        done, nxt = self.box.close(gathered, step, ticks)
+        self.outer.dl.set_period(nxt.steps)
+        counts = [g["inner"] for g in gathered]
+        arrived = [g["arrived"] for g in gathered]
+        waited = [max(arrived) - a for a in arrived]
+        seconds = [g["seconds"] for g in gathered]
+        return Decision(
+            "diloco_round",
+            f"diloco: round {self.box.rounds} (steps {started + 1}-{step}, {self.box.seconds:g}s box): inner steps "
+            f"per rank {counts}, {max(seconds):.2f}s; waited up to {max(waited):.2f}s at the sync; next round "
+            f"{nxt.steps} steps, inner steps {nxt.inner}",
+            dict(step=step, round=self.box.rounds, round_steps=ticks, inner_steps=counts,
+                 samples=[g["samples"] for g in gathered], seconds=seconds, waited_s=waited,
+                 planned=done.inner, next_round_steps=nxt.steps, next_inner_steps=nxt.inner,
+                 pace_s=list(self.box.pace), box_s=self.box.seconds))
 
     def _event(self, step: int, s: OuterStats) -> Decision:
         d = self.dist
@@ -111,7 +191,8 @@ class DiLoCoStrategy:
             f"{s.inner_steps} inner steps, {s.samples} of {s.total_samples} samples here",
             dict(step=step, fragment=s.fragment, seconds=s.seconds, bytes=s.bytes,
                  pseudo_grad_norm=s.pseudo_grad_norm, inner_steps=s.inner_steps, samples=s.samples,
-                 total_samples=s.total_samples))
+                 total_samples=s.total_samples, prepare_s=s.prepare_seconds, outer_s=s.outer_seconds,
+                 main_s=s.main_seconds, wait_s=s.wait_seconds))
 
 
 class OuterSync:
@@ -128,26 +209,35 @@ class OuterSync:
             self.overlap = OverlappedSync(self.dl, allreduce_from_comm(comm), allgather_from_comm(comm),
                                           delay=cfg.overlap_steps, alpha=cfg.overlap_alpha)
         self.allreduce, self.allgather = allreduce_from_comm(comm), allgather_from_comm(comm)
+        self._handover: dict[int, float] = {}  # training-thread seconds of a sync in flight, by fragment
 
     # -- per step ---------------------------------------------------------------------
-    def after_step(self, engine, samples: int, last: bool) -> list[OuterStats]:
-        """Count one inner step of `samples` samples and sync what is due. On the last step
-        of the run every fragment not yet synced this round syncs too, in-flight ones land,
-        and every rank takes the anchors: the run ends on the one model all ranks agree on."""
-        due = self.dl.advance(samples)
+    def after_step(self, engine, samples: int, inner: int, last: bool
+                   ) -> tuple[list[OuterStats], tuple[int, int, int] | None]:
+        """Count one step of the round (`inner`: whether this rank trained in it, on
+        `samples` samples) and sync what is due. On the last step of the run every fragment
+        not yet synced this round syncs too, in-flight ones land, and every rank takes the
+        anchors: the run ends on the one model all ranks agree on. Also returns, when this
+        step closed the round, its steps and this rank's inner steps and samples in it."""
+        due = self.dl.advance(samples, inner)
         if last and self.dl.round_steps:
             due = list(range(self.dl.cursor, self.dl.fragments))
+        closed = ((self.dl.round_steps, self.dl.inner[-1], self.dl.samples[-1])
+                  if self.dl.fragments - 1 in due else None)
         if self.overlap is None:
             stats = self._blocking(engine, due)
         else:
             self.overlap.step()
+            t0 = time.perf_counter()
             weights = engine.get_weights() if due else None
             for k in due:
                 self.overlap.submit(k, self._fragment(weights, k))
+            for k in due:
+                self._handover[k] = (time.perf_counter() - t0) / len(due)
             stats = self._land(engine, drain=last)
         if last:  # what is evaluated, saved and exported is the model the ranks agree on
             engine.set_weights(self.anchors())
-        return stats
+        return stats, closed
 
     def drain(self, engine) -> list[OuterStats]:
         """Land every sync in flight (before a checkpoint: its state must be whole)."""
@@ -156,15 +246,19 @@ class OuterSync:
     def _blocking(self, engine, due: list[int]) -> list[OuterStats]:
         if not due:
             return []
+        t0 = time.perf_counter()
         weights, stats = engine.get_weights(), []
         for k in due:
             new = self.dl.outer_step(k, self._fragment(weights, k), self.allreduce, self.allgather)
             self._put(weights, k, new)
             stats.append(self.dl.last)
         engine.set_weights(weights)
+        for s in stats:
+            s.main_seconds = (time.perf_counter() - t0) / len(stats)
         return stats
 
     def _land(self, engine, drain: bool) -> list[OuterStats]:
+        t0 = time.perf_counter()
         current: dict[str, np.ndarray] = {}
 
         def fetch(idx: list[int]) -> list[np.ndarray]:
@@ -179,6 +273,8 @@ class OuterSync:
         for k, new, _ in landed:
             self._put(weights, k, new)
         engine.set_weights(weights)
+        for k, _, s in landed:
+            s.main_seconds = self._handover.pop(k, 0.0) + (time.perf_counter() - t0) / len(landed)
         return [s for _, _, s in landed]
 
     def _fragment(self, weights: dict[str, np.ndarray], k: int) -> list[np.ndarray]:
@@ -206,11 +302,16 @@ class OuterSync:
         return rank_state.save(root, info, arrays, keep)
 
     def restore(self, shared: dict[str, np.ndarray], own: dict[str, np.ndarray] | None, engine,
-                optimizer_step: int) -> None:
+                optimizer_step: int, period: int | None = None) -> None:
         """After the loop made the engine hold the checkpoint's weights (the anchors) on every
         rank: take the shared state, and with `own` (this rank's file; every rank must have
         one) its local weights, moments and round position. Without it the round restarts
-        from the anchors: local progress since the last sync is dropped."""
+        from the anchors: local progress since the last sync is dropped. `period`: the
+        round's length in steps when the shared state decides it (a time box's plan)."""
+        if self.overlap is not None:
+            self.overlap.forget()  # a rollback: what was in flight belongs to the abandoned steps
+        if period is not None:
+            self.dl.period, self.dl.next_period = period, None
         state = dict(shared)
         weights = engine.get_weights()
         state.update({f"global.anchor.{i}": weights[n] for i, n in enumerate(self.names)})
@@ -230,5 +331,7 @@ class OuterSync:
 
 def describe(cfg: DistConfig) -> str:
     lag = f", overlapped {cfg.overlap_steps} steps" if cfg.overlap_steps else ""
-    return (f"DiLoCo: {cfg.inner_steps} inner steps, outer lr {cfg.outer_lr} Nesterov {cfg.outer_momentum}, "
+    rounds = (f"time box {cfg.sync_every_s:g}s per round (the first {cfg.inner_steps} steps, then as many as "
+              "each rank fits)" if cfg.sync_every_s else f"{cfg.inner_steps} inner steps")
+    return (f"DiLoCo: {rounds}, outer lr {cfg.outer_lr} Nesterov {cfg.outer_momentum}, "
             f"wire {cfg.outer_wire}, {cfg.fragments} fragment(s){lag}")

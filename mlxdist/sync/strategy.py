@@ -25,6 +25,12 @@ class SyncStrategy(Protocol):
     def describe(self) -> str | None:
         """A banner line, or None when there is nothing to say."""
 
+    def trains(self, step: int) -> bool:
+        """Whether this rank computes step `step` (1-based, about to run). Data parallel:
+        always. Time-boxed DiLoCo: a slower rank sits some steps of a round out, so all ranks
+        reach the outer sync together. A step sat out computes nothing, `step` returns the
+        last stats unchanged, and the loop neither judges nor reports it."""
+
     def step(self, engine: Engine, lr: float) -> StepStats:
         """Exchange what this strategy exchanges per step, then update the engine."""
 

@@ -77,6 +77,7 @@ class Metrics:
         self.outer_sync_bytes = counter("mlxdist_outer_sync_bytes", "DiLoCo pseudo-gradient bytes this rank sent")
         self.pseudo_grad_norm = gauge("mlxdist_pseudo_grad_norm", "L2 norm of the last averaged pseudo-gradient")
         self.inner_steps = gauge("mlxdist_inner_steps", "Inner steps this rank ran before its last outer sync")
+        self.inner_steps_total = counter("mlxdist_diloco_inner_steps", "DiLoCo inner steps this rank ran, counted per round")
         # A stalled rank still answers scrapes but stops moving this; the stalled-rank alert in
         # configs/prometheus-rules.yml watches `time() - it`. Set at start so a rank stuck
         # before its first step is caught too.
@@ -99,6 +100,9 @@ class Metrics:
             self.checkpoint_seconds.observe(fields["seconds"])
         elif kind == "outer_sync":
             self._observe_outer(fields)
+        elif kind == "diloco_round":  # per-rank counts (time box: they differ), this rank's own here
+            self.inner_steps_total.inc(fields["inner_steps"][int(self.labels["rank"])])
+            self.last_step_time.set_to_current_time()  # a rank that sat a round out is not stalled
         elif kind in _COUNTERS:
             getattr(self, _COUNTERS[kind]).inc()
         if kind in _DECISIONS:

@@ -120,17 +120,19 @@ class Trainer:
         try:
             while self.state.step < self.cfg.train.steps and self.stop_reason is None:
                 t_step = time.perf_counter()
+                trains = self.sync.trains(self.state.step + 1)  # time-boxed DiLoCo: a slower rank sits some out
                 batches = self.feed.get(self.state.step)
-                compute_s = self.forward_backward(batches)
+                compute_s = self.forward_backward(batches) if trains else 0.0
                 lr, stats = self.optimizer_step()
-                if self.rolled_back(stats):
+                if self.rolled_back(stats, trains):
                     continue
                 self.advance()
                 memory = self.adapt(compute_s)
                 if self.check_drift():
                     continue
                 self.after_step()
-                self.report_step(stats, lr, compute_s, memory, time.perf_counter() - t_step)
+                if trains:
+                    self.report_step(stats, lr, compute_s, memory, time.perf_counter() - t_step)
                 last = self.state.step >= self.cfg.train.steps or self.stop_reason is not None
                 if self.evaluator.due(self.state.step, last):
                     last = self.evaluate() or last
@@ -170,20 +172,23 @@ class Trainer:
             self.self_check.remember(self.state.step + 1, self.engine.weight_checksum())
         return lr, stats
 
-    def rolled_back(self, stats: StepStats) -> bool:
+    def rolled_back(self, stats: StepStats, trained: bool = True) -> bool:
         """Health check of the step; after too many bad steps in a row, go back to the last
-        checkpoint with a lower learning rate. True when it did."""
-        if stats.skipped and stats.tokens == 0:
+        checkpoint with a lower learning rate. True when it did. A step this rank sat out or
+        that had nothing to learn is not judged, but the rank still takes part in agreeing."""
+        wanted = False
+        if trained and stats.skipped and stats.tokens == 0:
             self.report.emit("empty_step", f"step {self.state.step}: {stats.why_skipped}; update skipped",
                              step=self.state.step)
-            return False
-        verdict = self.ctl.health.observe(self.state.step, stats.loss, stats.grad_norm)
-        for warning in verdict.warnings:
-            self.report.say(f"health: {warning}")
-        if stats.skipped:
-            self.report.emit("skipped", f"step {self.state.step}: {stats.why_skipped}; update skipped "
-                             f"({self.ctl.health.nonfinite_total} so far)", step=self.state.step)
-        if not self.sync.agree_on_rollback(verdict.rollback, self.state.step + 1):
+        elif trained:
+            verdict = self.ctl.health.observe(self.state.step, stats.loss, stats.grad_norm)
+            for warning in verdict.warnings:
+                self.report.say(f"health: {warning}")
+            if stats.skipped:
+                self.report.emit("skipped", f"step {self.state.step}: {stats.why_skipped}; update skipped "
+                                 f"({self.ctl.health.nonfinite_total} so far)", step=self.state.step)
+            wanted = verdict.rollback
+        if not self.sync.agree_on_rollback(wanted, self.state.step + 1):
             return False
         before = self.state.lr_scale
         latest = self.checkpoints.latest(self.report.say) if self.world.is_main else None
