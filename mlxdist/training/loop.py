@@ -362,8 +362,8 @@ class Trainer:
         if self.world.is_main:
             adapter = self.engine.save_adapter(self.run_dir / "adapter")
             if adapter is not None:
-                self.report.say(f"adapter: {adapter} (PEFT layout; `python -m mlxdist.generate --checkpoint "
-                                f"{self.cfg.model.path} --adapter {adapter}`)")
+                self.report.say(f"adapter: {adapter} (PEFT layout; `python -m mlxdist.generate --model "
+                                f"{self.cfg.model.path} --adapter-path {adapter}`)")
         if self.stop_reason == "signal":
             self.report.say(f"stopped by signal after step {s.step}; continue with --resume auto")
         elif self.stop_reason:
