@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench balance", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hosts", type=int, default=2, help="namespace hosts; the last one is slowed")
-    p.add_argument("--mode", choices=("compute", "cpu"), default="compute")
+    p.add_argument("--mode", choices=("compute", "cpu"), default="compute",
+                   help="slow the last host by stretching its compute, or by a CPU quota")
     p.add_argument("--slow-factor", type=float, default=2.0,
                    help="compute mode: how many times slower the last host computes")
     p.add_argument("--base-scale", type=float, default=None,
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                         "so the cluster needs about one core whatever its size)")
     p.add_argument("--global-batch", type=int, default=None, help="default 24 x hosts")
     p.add_argument("--steps", type=int, default=45, help="steps of the cluster runs")
-    p.add_argument("--solo-steps", type=int, default=14)
+    p.add_argument("--solo-steps", type=int, default=14, help="steps of each host alone (its solo rate)")
     p.add_argument("--skip", type=int, default=4, help="warmup steps left out of solo/equal rates")
     p.add_argument("--balance-skip", type=int, default=20,
                    help="steps left out of the balanced rate: warmup plus the balancer settling")
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     # whatever its neighbours leave, so the 2x speed gap would not be what we set.
     p.add_argument("--fast-cpu", type=float, default=60.0, help="cpu mode: quota of the other hosts, %% of a core")
     p.add_argument("--slow-cpu", type=float, default=30.0, help="cpu mode: quota of the last host, %% of a core")
-    p.add_argument("--subnet", default="10.77.41")
+    p.add_argument("--subnet", default="10.77.41", help="namespace cluster subnet (first three octets)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
     p.add_argument("--json", help="also write the numbers to this file")
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
