@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -240,6 +241,17 @@ def _until_steps(job: _Job, out: Path, n: int = 3) -> None:
         time.sleep(0.2)
 
 
+def _rank_pids(c: SimCluster, host: int) -> list[int]:
+    """The training processes (not Open MPI's daemon) running on `host`."""
+    pids = []
+    for pid in c.pids(host):
+        with contextlib.suppress(OSError):
+            if b"mlxdist.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+    assert pids, f"no training process on host {host}"
+    return pids
+
+
 def _leftovers(c: SimCluster, wait: float = 5.0) -> dict[str, list[int]]:
     deadline = time.monotonic() + wait
     while True:
@@ -347,10 +359,14 @@ def test_sigusr1_to_plain_mpirun_saves_at_one_step(cluster3: SimCluster, tmp_pat
 
 def test_second_ctrl_c_ends_at_once(cluster3: SimCluster, tmp_path: Path) -> None:
     job = _mlxrun_job(cluster3, tmp_path)
+    frozen: list[int] = []
     try:
         _until_steps(job, tmp_path)
-        # A slow host makes "finish this step" take long enough for a second Ctrl-C to matter.
-        cluster3.slow(2, 5)
+        # A frozen rank keeps "finish this step" from ending, so the second Ctrl-C must end
+        # the job (a CPU cap alone let a loaded CI box save before the second one arrived).
+        frozen = _rank_pids(cluster3, 2)
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
         job.proc.send_signal(signal.SIGINT)
         time.sleep(0.5)  # Python merges two signals that arrive before its handler runs
         t0 = time.monotonic()
@@ -358,7 +374,9 @@ def test_second_ctrl_c_ends_at_once(cluster3: SimCluster, tmp_path: Path) -> Non
         code = job.wait(30)
         took = time.monotonic() - t0
     finally:
-        cluster3.slow(2, None)
+        for pid in frozen:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
         job.kill()
     assert code == 130, f"exit {code}:\n{job.out[-3000:]}"
     assert took < 10, f"took {took:.1f}s"
