@@ -306,8 +306,9 @@ def test_balancer_never_flips_back_under_alternating_noise():
     bal = LoadBalancer(96, 2, warmup=1, hysteresis=0.05)
     splits = _alternating(bal, steps=300, block=8, factor=1.12)
     assert len(splits) <= 2, splits  # at most one move, then it holds
-    # Same input without the return margin: it ping-pongs, so the margin is what holds it.
-    naive = LoadBalancer(96, 2, warmup=1, hysteresis=0.05, return_margin=1.0)
+    # Same input without the return margin (and without the escalating threshold, the other
+    # guard): it ping-pongs, so the guards are what hold it.
+    naive = LoadBalancer(96, 2, warmup=1, hysteresis=0.05, return_margin=1.0, free_moves=1000)
     flips = _alternating(naive, steps=300, block=8, factor=1.12)
     assert len(flips) > 10 and len({tuple(f) for f in flips[3:]}) == 2, flips
 

@@ -24,6 +24,7 @@ Two ways to slow a host (`--mode`):
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -37,6 +38,18 @@ BASE = ["data.source=synthetic", "data.seq_len=128", "model.preset=tiny", "metri
         "train.progress=false", "train.eval_every=0", "checkpoint.every=0",
         "dist.sync_weights_every=0", "train.warmup_steps=2"]
 
+
+def compute_times(run_dir: Path, rank: int) -> list[float]:
+    """Forward/backward seconds of one rank, step by step, from its own event log: what
+    the balancer reads (kept in the JSON, so its decisions can be replayed offline)."""
+    log = run_dir / "logs" / f"rank{rank}.jsonl"
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return [e["compute_s"] for e in events if e["event"] == "step"]
+
+
+def median_compute(run_dir: Path, rank: int, skip: int) -> float:
+    """Median forward/backward seconds of one rank over its steps after `skip`."""
+    return statistics.median(compute_times(run_dir, rank)[skip:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,17 +117,22 @@ def main(argv: list[str] | None = None) -> int:
             return solo_rates(cluster, [*common, f"train.steps={args.solo_steps}"], Path(tmp), tag, args.skip,
                               args.timeout)
 
+        def solo_compute(tag: str) -> list[float]:
+            return [median_compute(Path(tmp) / f"solo-{tag}-{h}", 0, args.skip) for h in range(1, n + 1)]
+
         def together(name: str, balance: bool) -> list[dict]:
             return cluster_run(cluster, [*common, f"train.steps={args.steps}",
                                          f"control.balance={'true' if balance else 'false'}"], Path(tmp) / name,
                                args.timeout)
 
         before = solos("before")
+        compute_before = solo_compute("before")
         equal_events = together("equal", balance=False)
         equal = steady_rate(equal_events, args.skip)
         equal_shares = [e for e in equal_events if e["event"] == "step"][-1]["shares"]
         bal_events = together("balanced", balance=True)
         after = solos("after")
+        compute_after = solo_compute("after")
         # Load from other jobs drifts over minutes: the ideal is the mean of solo rates
         # taken before and after the cluster runs, and both are printed.
         solo_mean = [(a + b) / 2 for a, b in zip(before, after, strict=True)]
@@ -133,13 +151,39 @@ def main(argv: list[str] | None = None) -> int:
               f"(target >= 0.95); {balanced / equal:.2f}x the equal split", flush=True)
         final = steps[-1]["shares"]
         want = [round(g * r / ideal, 1) for r in solo_mean]
+        # The split that would finish every host's forward/backward at once if its time
+        # were proportional to its share: the solo step rates also hold the optimizer
+        # step, which the rig does not slow, so the two references differ.
+        per_sample = [(b + a) / 2 / g for b, a in zip(compute_before, compute_after, strict=True)]
+        equal_finish = [round(g * (1 / c) / sum(1 / c for c in per_sample), 1) for c in per_sample]
+        # A step event carries the split decided after it, so step k ran on event k-1's.
+        ran_on = [None, *[e["shares"] for e in steps[:-1]]]
+        at_final = [k for k, sh in enumerate(ran_on) if sh == final and k >= args.balance_skip]
+        final_compute = [statistics.median(compute_times(Path(tmp) / "balanced", r)[k] for k in at_final)
+                         if at_final else float("nan") for r in range(n)]
         kept = steps[args.balance_skip:]
         sync = statistics.median(e["sync_s"] / e["step_s"] for e in kept) if kept else 0.0
-        print(f"final shares {final} of {g} (proportional to solo speed: {want}); "
-              f"{len(changes)} change(s): {history or 'none'}; sync {sync:.1%} of a step")
+        off = max(abs(f - w) / w for f, w in zip(final, want, strict=True))
+        print(f"final shares {final} of {g} (proportional to solo speed: {want}, largest gap {off:.0%}; "
+              f"equal finish by solo compute: {equal_finish}); {len(changes)} change(s): {history or 'none'}; "
+              f"sync {sync:.1%} of a step")
+        # What separates the balanced rate from the ideal: time per sample at the smaller
+        # shares (versus the whole batch alone), and the step beyond its slowest rank's compute.
+        final_per_sample = [c / sh for c, sh in zip(final_compute, final, strict=True)]
+        final_step = (statistics.median(steps[k]["step_s"] for k in at_final) if at_final else float("nan"))
+        print("compute at the final split: " + ", ".join(
+            f"rank {r} {c:.3f} s, {1000 * ps:.1f} ms/sample ({ps / solo - 1:+.0%} on its solo {1000 * solo:.1f})"
+            for r, (c, ps, solo) in enumerate(zip(final_compute, final_per_sample, per_sample, strict=True)))
+            + f"; step {final_step:.3f} s, the slowest rank's compute {max(final_compute) / final_step:.1%} of it",
+            flush=True)
         result |= {"solo_before": before, "solo_after": after, "ideal": ideal, "equal": equal, "equal_ratio": equal / ideal,
                    "balanced": balanced, "balanced_ratio": balanced / ideal,
-                   "final_shares": final, "proportional": want,
+                   "final_shares": final, "proportional": want, "proportional_gap": off,
+                   "equal_finish_solo_compute": equal_finish, "final_compute_s": final_compute,
+                   "final_per_sample_s": final_per_sample, "final_step_s": final_step,
+                   "solo_compute_s": [compute_before, compute_after],
+                   "balanced_compute_s": [compute_times(Path(tmp) / "balanced", r) for r in range(n)],
+                   "balanced_shares": [e["shares"] for e in steps],
                    "changes": [{"step": e["step"], "old": e["old"], "new": e["new"]} for e in changes],
                    "sync_fraction": sync}
     return finish("balance", result, t_start, args.json)

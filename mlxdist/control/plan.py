@@ -64,9 +64,11 @@ def replan(plan: StepPlan, gathered: list[dict[str, Any]], step: int, balancer: 
     if balancer is not None:
         shares = balancer.observe(step, [g["samples"] for g in gathered], [g["compute_s"] for g in gathered])
         if shares is not None and shares != plan.shares:
-            rates = [round(r or 0, 1) for r in balancer.rates]
+            rates = [round(r or 0, 1) for r in balancer.last_rates]  # those it decided on
+            gain = balancer.last_gain or 0.0
             decisions.append(Decision("balance", f"balance: step {step}: shares {plan.shares} -> {shares} "
-                                      f"(rates {rates} samples/s)", {"step": step, "old": plan.shares, "new": shares}))
+                                      f"(rates {rates} samples/s; predicted compute step -{gain:.0%})",
+                                      {"step": step, "old": plan.shares, "new": shares}))
             new.shares = list(shares)
     if decisions:
         decisions.append(Decision("accumulation", None, {"step": step, "accum": accum.plan(new.shares, new.micro)}))
