@@ -24,14 +24,13 @@ Two ways to slow a host (`--mode`):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .runs import cluster_run, finish, set_env, solo_rates, steady_rate
+from .runs import cluster_run, finish, read_events, set_env, solo_rates, steady_rate
 
 # Compute must dominate the gradient all-reduce, or no split can reach the ideal.
 BASE = ["data.source=synthetic", "data.seq_len=128", "model.preset=tiny", "metrics.port=0",
@@ -42,9 +41,7 @@ BASE = ["data.source=synthetic", "data.seq_len=128", "model.preset=tiny", "metri
 def compute_times(run_dir: Path, rank: int) -> list[float]:
     """Forward/backward seconds of one rank, step by step, from its own event log: what
     the balancer reads (kept in the JSON, so its decisions can be replayed offline)."""
-    log = run_dir / "logs" / f"rank{rank}.jsonl"
-    events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return [e["compute_s"] for e in events if e["event"] == "step"]
+    return [e["compute_s"] for e in read_events(run_dir, rank) if e["event"] == "step"]
 
 
 def median_compute(run_dir: Path, rank: int, skip: int) -> float:

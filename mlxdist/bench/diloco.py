@@ -28,7 +28,6 @@ step, the weight copies, blocking and overlapped (`dist.overlap_steps`).
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import statistics
 import subprocess
@@ -60,11 +59,7 @@ def _eval_loss(events: list[dict]) -> float:
 
 
 def _rank_events(run_dir: Path, n: int) -> list[list[dict]]:
-    out = []
-    for r in range(n):
-        log = run_dir / "logs" / f"rank{r}.jsonl"
-        out.append([json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else [])
-    return out
+    return [read_events(run_dir, r) for r in range(n)]
 
 
 def cluster_rate(run_dir: Path, n: int, skip: int) -> tuple[float, float, dict[str, list[int]]]:

@@ -23,8 +23,8 @@ def set_env() -> None:
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
 
-def read_events(run_dir: Path) -> list[dict]:
-    log = run_dir / "logs" / "rank0.jsonl"
+def read_events(run_dir: Path, rank: int = 0) -> list[dict]:
+    log = run_dir / "logs" / f"rank{rank}.jsonl"
     if not log.exists():
         return []
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
