@@ -157,7 +157,6 @@ class ElasticRun:
             tag = secrets.token_hex(4)
             cmd = launch.command([*self.train_args, *extra], python=self.python, tcp_links=self.tcp_links,
                                  env=[*self.env, *counts.env()], tag=tag)
-            print(shlex.join(cmd), flush=True)
             sup = Supervisor(cmd, n_ranks=launch.n_ranks, hosts=hosts, remote=remote, tag=tag, grace=self.grace)
             watcher = None
             if self.settings.rejoin and dropped:

@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     for note in launch.notes:
         print(f"mlxrun: {note}", file=sys.stderr)
     if elastic is not None and not args.dry_run:
-        return elastic.run()  # prints each job's command itself
-    print(shlex.join(cmd), flush=True)
+        return elastic.run()
     if args.dry_run:
+        print(shlex.join(cmd), flush=True)
         return Exit.OK
     return supervise(cmd, n_ranks=launch.n_ranks, hosts=[h.name for h in launch.hosts], remote=launch.remote(),
                      tag=tag, grace=args.grace)

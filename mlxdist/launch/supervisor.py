@@ -142,16 +142,21 @@ class Supervisor:
     # ----- the job -----------------------------------------------------------------------
 
     def run(self) -> Outcome:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     bufsize=1, start_new_session=True, env=self.env)
-        pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
-                 threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True)]
-        for t in pumps:
-            t.start()
+        """Prints the command once Ctrl-C is ours: a Ctrl-C the moment it appears (ranks
+        starting) is held until they can save, not a traceback out of `Popen`."""
         old = {}
         if threading.current_thread() is threading.main_thread():
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        pumps: list[threading.Thread] = []
         try:
+            print(shlex.join(self.cmd), file=self.out, flush=True)
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         bufsize=1, start_new_session=True, env=self.env)
+            self._maybe_send_stop()
+            pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
+                     threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True)]
+            for t in pumps:
+                t.start()
             while self.proc.poll() is None:
                 time.sleep(0.1)
                 if self.killed or (self.failed_at is not None and time.monotonic() - self.failed_at > self.grace):
