@@ -8,8 +8,11 @@ hosts are left.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -166,6 +169,28 @@ def test_supervisor_counts_steps_and_checkpoints_and_stops_on_request():
     assert (sup.last_step, sup.checkpoints_seen, sup.complete) == (3, 1, (4, "signal"))
     assert markers.parse_progress("mlxdist-step: 12") == ("step", 12)
     assert markers.parse_progress("x mlxdist-step: 12") is None
+
+
+class _InterruptOnCommand(io.StringIO):
+    """Stdout on which the job's command line arrives together with a Ctrl-C: a user who
+    presses it the moment mlxrun shows the command, before mpirun has even started."""
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        if "sh -c" in text:
+            os.kill(os.getpid(), signal.SIGINT)
+        return n
+
+
+def test_ctrl_c_as_the_command_appears_is_held_until_the_ranks_are_ready():
+    script = ("trap 'echo \"mlxdist-complete: step 2 reason signal\"; exit 0' USR1; sleep 0.5; "
+              f"echo '{markers.ready_line(0)}'; while :; do sleep 0.1; done")
+    err = io.StringIO()
+    sup = Supervisor(["sh", "-c", script], n_ranks=1, hosts=[], remote=None, tag="t", out=_InterruptOnCommand(),
+                     err=err)
+    outcome = sup.run()
+    assert outcome.code == Exit.OK and sup.stops == 1 and sup.complete == (2, "signal"), err.getvalue()
+    assert "0/1 ranks ready; passing the stop on when all are" in err.getvalue()
 
 
 def test_elastic_flags_are_checked(tmp_path):
