@@ -5,7 +5,9 @@ The oracles are other tools' own output: `mlx_lm.generate`'s command line on the
 model, and the numpy no-cache greedy loop (`engine.common.sample_tokens`) on the same weights.
 """
 
+import contextlib
 import importlib.util
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +26,22 @@ def _run(*args: str, module: str = "mlxdist.generate") -> subprocess.CompletedPr
                           env=env() | {"DISABLE_COMPILE": "1"}, timeout=300)
 
 
+def _main(*args: str) -> subprocess.CompletedProcess:
+    """`python -m mlxdist.generate ARGS` in this process: the same `main`, without paying a
+    fresh interpreter's torch/transformers/MLX imports per call (one test keeps the real
+    command line). MLX is imported first, so `main` never re-execs pytest for the BLAS."""
+    import mlx.core  # noqa: F401
+
+    from mlxdist import generate
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = generate.main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def _generate(*args: str) -> str:
-    r = _run(*args)
+    r = _main(*args)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -69,7 +85,9 @@ def test_greedy_text_equals_mlx_lm_generate_with_the_same_adapter(tiny):
     pytest.importorskip("mlx_lm")
     # mlx_lm's flag names; the chat template applies by default on both sides.
     common = ["--model", str(tiny["base"]), "--prompt", PROMPT, "--max-tokens", "12", "--temp", "0"]
-    ours = _generate(*common, "--adapter-path", str(tiny["adapter"]))  # PEFT layout, what a run writes
+    r = _run(*common, "--adapter-path", str(tiny["adapter"]))  # PEFT layout, what a run writes; the real CLI
+    assert r.returncode == 0, r.stderr
+    ours = r.stdout
     theirs = _mlx_lm(*common, "--adapter-path", str(tiny["mlx_adapter"]))
     assert ours == theirs and ours.strip()
     assert ours != _mlx_lm(*common), "the adapter should change the greedy text (else this test proves little)"
@@ -169,7 +187,7 @@ def test_wrong_sources_are_one_line_errors_with_exit_2(tiny, case, message):
             "adapter_with_checkpoint": ["--checkpoint", run, "--adapter", str(tiny["adapter"])],
             "not_an_adapter": ["--model", base, "--adapter", run],
             "context_on_a_model": ["--model", base, "--context", "8"]}[case]
-    r = _run(*args)
+    r = _main(*args)
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
