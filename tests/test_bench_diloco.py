@@ -34,3 +34,14 @@ def test_smallest_run_reports_both_modes(tmp_path) -> None:
     assert res["ddp"]["sync_bytes_per_step"] > 0 and res["diloco"]["outer_sync_bytes"] > 0
     assert res["bound"] == pytest.approx(sum((a + b) / 2 for a, b in zip(res["solo_before"], res["solo_after"], strict=True)))
     assert "mlxdlc" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_each_timed_run_is_held_to_the_solo_rates_around_it() -> None:
+    from mlxdist.bench.diloco import bracketing_bounds
+
+    # The box slows down between the first and second mode: only the runs next to it see that.
+    solos = [[3.0, 2.0], [3.0, 2.0], [2.0, 1.0], [2.0, 1.0]]
+    assert bracketing_bounds(solos) == pytest.approx([5.0, 4.0, 3.0])
+    assert bracketing_bounds([[1.0], [2.0]]) == pytest.approx([1.5])
+    with pytest.raises(ValueError):
+        bracketing_bounds([[1.0, 2.0], [1.0]])  # a host missing from one solo measurement

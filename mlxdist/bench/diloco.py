@@ -13,7 +13,8 @@ Unequal hosts (`--slow X`: the last host computes X times slower, the rig's comp
 scale) with `--wall SECONDS`: every cluster run trains for the same wall time (stopped by
 a signal, which lands where the ranks meet: a round's end), and `--box SECONDS` adds
 time-boxed DiLoCo (`dist.sync_every_s`), where the fast host does more inner steps per
-round instead of waiting; the eval losses then compare at equal wall time.
+round instead of waiting; the eval losses then compare at equal wall time, and each run's
+bound comes from solo rates taken just before and just after it.
 
 `--outer-cost` measures item by item what one outer sync costs on a bigger model (the
 SmolLM2-135M shape by default) against its link time: the encode, the exchange, the outer
@@ -75,6 +76,15 @@ def cluster_rate(run_dir: Path, n: int, skip: int) -> tuple[float, float, dict[s
     samples = sum(e["samples"] for ev in ranks for e in ev if e["event"] == "step" and start < e["time"] <= end)
     inner = {"per_rank": [sum(1 for e in ev if e["event"] == "step") for ev in ranks]}
     return samples / max(end - start, 1e-9), end - start, inner
+
+
+def bracketing_bounds(solos: list[list[float]]) -> list[float]:
+    """The no-communication bound of each cluster run from the hosts' solo rates measured
+    just before and just after it (`solos[i]`, `solos[i + 1]`): on a shared box the
+    neighbours' load drifts over a bench's ten minutes, and a run compared with solo rates
+    taken far from it reads that drift as its own speed."""
+    return [sum((a + b) / 2 for a, b in zip(before, after, strict=True))
+            for before, after in zip(solos[:-1], solos[1:], strict=True)]
 
 
 def timed_cluster_run(cluster, args: list[str], run_dir: Path, wall: float, timeout: float) -> list[dict]:
@@ -236,7 +246,7 @@ def equal_wall_time(cluster, args, tmp: Path) -> dict:
     if args.box is not None:
         modes[f"diloco box {args.box:g}s"] = [*_diloco(args), f"dist.sync_every_s={args.box}",
                                               f"dist.inner_steps={args.box_first}"]
-    before = solo_rates(cluster, solo_args, tmp, "before", args.skip, args.timeout)
+    solos = [solo_rates(cluster, solo_args, tmp, "before", args.skip, args.timeout)]
     runs = {}
     for i, (name, extra) in enumerate(modes.items()):
         events = timed_cluster_run(cluster, [*common, *extra], tmp / f"run{i}", args.wall, args.timeout)
@@ -249,25 +259,25 @@ def equal_wall_time(cluster, args, tmp: Path) -> dict:
                       "outer_sync_main_s": _median(events, "outer_sync", "main_s"),
                       "round_inner_steps": [e["inner_steps"] for e in rounds],
                       "round_waited_s": [max(e["waited_s"]) for e in rounds if "waited_s" in e]}
-    after = solo_rates(cluster, solo_args, tmp, "after", args.skip, args.timeout)
-    bound = sum((a + b) / 2 for a, b in zip(before, after, strict=True))
-    for r in runs.values():
-        r["fraction_of_bound"] = r["samples_per_s"] / bound
+        solos.append(solo_rates(cluster, solo_args, tmp, f"after{i}", args.skip, args.timeout))
+    bound = sum(statistics.mean(rates) for rates in zip(*solos, strict=True))
+    for r, own in zip(runs.values(), bracketing_bounds(solos), strict=True):
+        r["bound"], r["fraction_of_bound"], r["fraction_of_run_bound"] = own, r["samples_per_s"] / own, r["samples_per_s"] / bound
     print(f"hosts {n} at {args.rate}, host {n} computes x{args.slow:g} slower, model {args.preset}, {args.batch} x "
           f"{args.seq_len} tokens per host per step, {args.wall:g}s of training per run; no-communication bound "
-          f"{bound:.2f} samples/s (solo {', '.join(f'{x:.2f}' for x in before)} before, "
-          f"{', '.join(f'{x:.2f}' for x in after)} after)")
-    print("| mode | samples/s | of bound | eval loss at equal wall time | steps | inner steps per rank |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          f"{bound:.2f} samples/s over the run (solo rates before each mode and after the last: "
+          f"{'; '.join(', '.join(f'{x:.2f}' for x in s) for s in solos)})")
+    print("| mode | samples/s | of bound (solo just before and after it) | of the run's bound | "
+          "eval loss at equal wall time | steps | inner steps per rank |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in runs.items():
-        print(f"| {name} | {r['samples_per_s']:.2f} | {r['fraction_of_bound']:.3f} | {r['eval_loss']:.4f} | "
-              f"{r['steps']} | {r['inner_steps']} |")
+        print(f"| {name} | {r['samples_per_s']:.2f} | {r['fraction_of_bound']:.3f} ({r['bound']:.2f}/s) | "
+              f"{r['fraction_of_run_bound']:.3f} | {r['eval_loss']:.4f} | {r['steps']} | {r['inner_steps']} |")
     for name, r in runs.items():
         if r["round_waited_s"]:
             print(f"{name}: inner steps per round {r['round_inner_steps']}; longest wait at each sync "
                   f"{', '.join(f'{w:.2f}' for w in r['round_waited_s'])} s")
-    return _settings(args) | {"wall": args.wall, "box": args.box, "solo_before": before, "solo_after": after,
-                              "bound": bound, "runs": runs}
+    return _settings(args) | {"wall": args.wall, "box": args.box, "solo": solos, "bound": bound, "runs": runs}
 
 
 def outer_cost(cluster, args, tmp: Path) -> dict:
