@@ -316,13 +316,13 @@ def late_note() -> str | None:
             f"with LD_PRELOAD={choice.path}")
 
 
-def ensure_blas(argv: list[str] | None = None) -> None:
-    """Re-exec once with the chosen BLAS preloaded and thread counts set, when that changes
-    anything; call it before anything imports MLX (or mpi4py)."""
+def reexec_env() -> dict[str, str] | None:
+    """The environment `ensure_blas` would re-exec this process with, or None when it would
+    not (not Linux, already done, MLX already imported, nothing to change)."""
     if sys.platform != "linux" or os.environ.get(_MARK) == str(os.getpid()):
-        return
+        return None
     if "mlx" in sys.modules or "mpi4py.MPI" in sys.modules:
-        return  # too late to re-exec safely
+        return None  # too late to re-exec safely
     choice = current_choice()
     core = None
     if choice.kind == "openblas" and "OPENBLAS_CORETYPE" not in os.environ:
@@ -330,9 +330,17 @@ def ensure_blas(argv: list[str] | None = None) -> None:
         if active[0] == "openblas":
             core = openblas_coretype(openblas_corename(active[1]), cpu_flags())
     env = plan_env(os.environ, choice, cores(), core)
+    if env is not None:
+        env[_MARK] = str(os.getpid())
+    return env
+
+
+def ensure_blas(argv: list[str] | None = None) -> None:
+    """Re-exec once with the chosen BLAS preloaded and thread counts set, when that changes
+    anything; call it before anything imports MLX (or mpi4py)."""
+    env = reexec_env()
     if env is None:
         return
-    env[_MARK] = str(os.getpid())
     args = argv if argv is not None else [sys.executable, *sys.orig_argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()

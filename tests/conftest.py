@@ -1,4 +1,10 @@
-"""What every test needs from the machine: no leftovers of killed MPI jobs.
+"""What every test needs from the machine: the BLAS the product runs with, and no leftovers
+of killed MPI jobs.
+
+On Linux the test process itself re-execs with OpenBLAS preloaded, as `mlxdist.train` does:
+the mlx-cpu wheel's bundled reference BLAS is ~25x slower, and tests that run MLX in-process
+(a 135M model's forward, LoRA on SmolLM2) spent most of their time in it. One BLAS thread,
+the count every subprocess of the suite has always had (tests/helpers.py `env`).
 
 Tests SIGKILL ranks and whole namespace hosts, which leaves Open MPI / PRRTE session
 directories in /tmp named by the dead process's PID (`ompi.PID`, `prted.PID`). With Linux's
@@ -9,10 +15,24 @@ listener thread failed to start". Only directories of PIDs that no longer exist 
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from mlxdist import blas
+
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env = blas.reexec_env()
+    if env is None:
+        return
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.stop_global_capturing()  # the new process starts with the terminal, not pytest's capture files
+    blas.ensure_blas()
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ threads, and that the re-exec really preloads it (banner and matmul rate)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -140,6 +141,19 @@ def test_banner_names_what_is_loaded():
 
 def test_old_names_still_work():
     assert blas.ensure_openblas is blas.ensure_blas and callable(blas.status)
+
+
+def test_the_test_process_itself_runs_with_the_fast_blas():
+    """tests/conftest.py re-execs pytest with the preload, so in-process MLX tests do not
+    crawl on the reference BLAS (and compute what the product's processes compute)."""
+    import mlx.core as mx
+
+    choice = blas.current_choice()
+    if choice.kind not in ("openblas", "mkl"):
+        pytest.skip(f"no OpenBLAS/MKL on this machine ({choice.note}): apt-get install libopenblas0-pthread")
+    assert blas.active_preload(os.environ.get("LD_PRELOAD", "")) is not None, os.environ.get("LD_PRELOAD")
+    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
+    assert "preloaded" in blas.status(), blas.status()
 
 
 # -- the real thing, in subprocesses ---------------------------------------------------------
