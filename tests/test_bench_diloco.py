@@ -37,7 +37,7 @@ def test_smallest_run_reports_both_modes(tmp_path) -> None:
 
 
 def test_each_timed_run_is_held_to_the_solo_rates_around_it() -> None:
-    from mlxdist.bench.diloco import bracketing_bounds
+    from mlxdist.bench.runs import bracketing_bounds
 
     # The box slows down between the first and second mode: only the runs next to it see that.
     solos = [[3.0, 2.0], [3.0, 2.0], [2.0, 1.0], [2.0, 1.0]]

@@ -1,10 +1,11 @@
 """Load-balancing benchmark: does `control.balance` recover the throughput a slow rank wastes?
 
 N namespace hosts (default 2), the last one slowed 2x, train the same fixed global batch
-in one invocation: every host alone (all at once, before and after the rest: its solo
-rate), all together with the equal split, and all together with the balancer on. The
-ideal is the sum of the solo rates (no rank ever waits); balancing is worth having if it gets close to that while the
-equal split is held to N times the slow host's rate. Everything runs side by side in one
+in one invocation: every host alone (all at once, before, between and after the rest: its
+solo rate), all together with the equal split, and all together with the balancer on. The
+ideal is the sum of the solo rates taken just before and after a cluster run (no rank ever
+waits); balancing is worth having if it gets close to that while the equal split is held to
+N times the slow host's rate. Everything runs side by side in one
 process run, because only ratios measured together mean anything on a shared machine.
 
 Two ways to slow a host (`--mode`):
@@ -30,7 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from .runs import cluster_run, finish, read_events, set_env, solo_rates, steady_rate
+from .runs import (
+    bracketing_bounds,
+    cluster_run,
+    finish,
+    read_events,
+    set_env,
+    solo_rates,
+    steady_rate,
+)
 
 # Compute must dominate the gradient all-reduce, or no split can reach the ideal.
 BASE = ["data.source=synthetic", "data.seq_len=128", "model.preset=tiny", "metrics.port=0",
@@ -127,25 +136,26 @@ def main(argv: list[str] | None = None) -> int:
         equal_events = together("equal", balance=False)
         equal = steady_rate(equal_events, args.skip)
         equal_shares = [e for e in equal_events if e["event"] == "step"][-1]["shares"]
+        between = solos("between")
         bal_events = together("balanced", balance=True)
         after = solos("after")
         compute_after = solo_compute("after")
-        # Load from other jobs drifts over minutes: the ideal is the mean of solo rates
-        # taken before and after the cluster runs, and both are printed.
-        solo_mean = [(a + b) / 2 for a, b in zip(before, after, strict=True)]
-        ideal = sum(solo_mean)
-        print("solo: " + ", ".join(f"host {h} ({how[h]}) {b:.1f} before, {a:.1f} after"
-                                   for h, b, a in zip(range(1, n + 1), before, after, strict=True))
-              + f" samples/s; ideal (sum of means) {ideal:.1f} samples/s "
-              f"(before {sum(before):.1f}, after {sum(after):.1f})", flush=True)
-        print(f"equal split: {equal:.1f} samples/s = {equal / ideal:.3f} of ideal "
+        # Load from other jobs drifts over minutes: each cluster run is held to the solo
+        # rates taken just before and just after it, and all three are printed.
+        ideal_equal, ideal = bracketing_bounds([before, between, after])
+        solo_mean = [(a + b) / 2 for a, b in zip(between, after, strict=True)]
+        print("solo: " + ", ".join(f"host {h} ({how[h]}) {b:.1f} before, {m:.1f} between, {a:.1f} after"
+                                   for h, b, m, a in zip(range(1, n + 1), before, between, after, strict=True))
+              + f" samples/s; ideal around the equal run {ideal_equal:.1f}, around the balanced run {ideal:.1f} "
+              "samples/s", flush=True)
+        print(f"equal split: {equal:.1f} samples/s = {equal / ideal_equal:.3f} of ideal "
               f"(shares {equal_shares})", flush=True)
         balanced = steady_rate(bal_events, args.balance_skip)
         steps = [e for e in bal_events if e["event"] == "step"]
         changes = [e for e in bal_events if e["event"] == "balance"]
         history = ", ".join(f"step {e['step']}: {e['old']} -> {e['new']}" for e in changes)
         print(f"balanced: {balanced:.1f} samples/s = {balanced / ideal:.3f} of ideal "
-              f"(target >= 0.95); {balanced / equal:.2f}x the equal split", flush=True)
+              f"(target >= 0.95); {balanced / equal:.2f}x the equal split's rate", flush=True)
         final = steps[-1]["shares"]
         want = [round(g * r / ideal, 1) for r in solo_mean]
         # The split that would finish every host's forward/backward at once if its time
@@ -173,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             for r, (c, ps, solo) in enumerate(zip(final_compute, final_per_sample, per_sample, strict=True)))
             + f"; step {final_step:.3f} s, the slowest rank's compute {max(final_compute) / final_step:.1%} of it",
             flush=True)
-        result |= {"solo_before": before, "solo_after": after, "ideal": ideal, "equal": equal, "equal_ratio": equal / ideal,
+        result |= {"solo_before": before, "solo_between": between, "solo_after": after, "ideal": ideal,
+                   "ideal_equal": ideal_equal, "equal": equal, "equal_ratio": equal / ideal_equal,
                    "balanced": balanced, "balanced_ratio": balanced / ideal,
                    "final_shares": final, "proportional": want, "proportional_gap": off,
                    "equal_finish_solo_compute": equal_finish, "final_compute_s": final_compute,

@@ -38,7 +38,17 @@ import time
 from pathlib import Path
 
 from ..dist.world import find_mpirun
-from .runs import REPO, check, cluster_run, finish, read_events, set_env, solo_rates, steady_rate
+from .runs import (
+    REPO,
+    bracketing_bounds,
+    check,
+    cluster_run,
+    finish,
+    read_events,
+    set_env,
+    solo_rates,
+    steady_rate,
+)
 
 BASE = ["metrics.port=0", "train.progress=false", "checkpoint.every=0", "dist.sync_weights_every=0",
         "train.warmup_steps=2", "train.log_every=1000"]
@@ -76,15 +86,6 @@ def cluster_rate(run_dir: Path, n: int, skip: int) -> tuple[float, float, dict[s
     samples = sum(e["samples"] for ev in ranks for e in ev if e["event"] == "step" and start < e["time"] <= end)
     inner = {"per_rank": [sum(1 for e in ev if e["event"] == "step") for ev in ranks]}
     return samples / max(end - start, 1e-9), end - start, inner
-
-
-def bracketing_bounds(solos: list[list[float]]) -> list[float]:
-    """The no-communication bound of each cluster run from the hosts' solo rates measured
-    just before and just after it (`solos[i]`, `solos[i + 1]`): on a shared box the
-    neighbours' load drifts over a bench's ten minutes, and a run compared with solo rates
-    taken far from it reads that drift as its own speed."""
-    return [sum((a + b) / 2 for a, b in zip(before, after, strict=True))
-            for before, after in zip(solos[:-1], solos[1:], strict=True)]
 
 
 def timed_cluster_run(cluster, args: list[str], run_dir: Path, wall: float, timeout: float) -> list[dict]:

@@ -69,6 +69,15 @@ def solo_rates(cluster, args: list[str], tmp: Path, tag: str, skip: int, timeout
     return rates
 
 
+def bracketing_bounds(solos: list[list[float]]) -> list[float]:
+    """The no-communication bound of each cluster run from the hosts' solo rates measured
+    just before and just after it (`solos[i]`, `solos[i + 1]`): on a shared box the
+    neighbours' load drifts over a bench's ten minutes, and a run compared with solo rates
+    taken far from it reads that drift as its own speed."""
+    return [sum((a + b) / 2 for a, b in zip(before, after, strict=True))
+            for before, after in zip(solos[:-1], solos[1:], strict=True)]
+
+
 def cluster_run(cluster, args: list[str], run_dir: Path, timeout: float) -> list[dict]:
     """One mpirun job over every host of the cluster; its rank-0 events."""
     n = len(cluster.hosts)
