@@ -2,9 +2,10 @@
 of killed MPI jobs.
 
 On Linux the test process itself re-execs with OpenBLAS preloaded, as `mlxdist.train` does:
-the mlx-cpu wheel's bundled reference BLAS is ~25x slower, and tests that run MLX in-process
+the mlx-cpu wheel's bundled reference BLAS is ~35x slower, and tests that run MLX in-process
 (a 135M model's forward, LoRA on SmolLM2) spent most of their time in it. One BLAS thread,
-the count every subprocess of the suite has always had (tests/helpers.py `env`).
+the count every subprocess of the suite has always had (tests/helpers.py `env`); torch keeps
+a thread per core.
 
 Tests SIGKILL ranks and whole namespace hosts, which leaves Open MPI / PRRTE session
 directories in /tmp named by the dead process's PID (`ompi.PID`, `prted.PID`). With Linux's
@@ -25,7 +26,10 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     from mlxdist import blas
 
+    if hasattr(config, "workerinput"):
+        return  # a pytest-xdist worker: its controller re-exec'd already, and an exec would cut it off
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))  # torch's threads, as before
     env = blas.reexec_env()
     if env is None:
         return

@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         equal = steady_rate(equal_events, args.skip)
         equal_shares = [e for e in equal_events if e["event"] == "step"][-1]["shares"]
         between = solos("between")
+        compute_between = solo_compute("between")
         bal_events = together("balanced", balance=True)
         after = solos("after")
         compute_after = solo_compute("after")
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         # The split that would finish every host's forward/backward at once if its time
         # were proportional to its share: the solo step rates also hold the optimizer
         # step, which the rig does not slow, so the two references differ.
-        per_sample = [(b + a) / 2 / g for b, a in zip(compute_before, compute_after, strict=True)]
+        per_sample = [(b + a) / 2 / g for b, a in zip(compute_between, compute_after, strict=True)]
         equal_finish = [round(g * (1 / c) / sum(1 / c for c in per_sample), 1) for c in per_sample]
         # A step event carries the split decided after it, so step k ran on event k-1's.
         ran_on = [None, *[e["shares"] for e in steps[:-1]]]
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                    "final_shares": final, "proportional": want, "proportional_gap": off,
                    "equal_finish_solo_compute": equal_finish, "final_compute_s": final_compute,
                    "final_per_sample_s": final_per_sample, "final_step_s": final_step,
-                   "solo_compute_s": [compute_before, compute_after],
+                   "solo_compute_s": [compute_before, compute_between, compute_after],
                    "balanced_compute_s": [compute_times(Path(tmp) / "balanced", r) for r in range(n)],
                    "balanced_shares": [e["shares"] for e in steps],
                    "changes": [{"step": e["step"], "old": e["old"], "new": e["new"]} for e in changes],

@@ -150,9 +150,10 @@ class Supervisor:
         pumps: list[threading.Thread] = []
         try:
             print(shlex.join(self.cmd), file=self.out, flush=True)
+            if self.killed:  # two Ctrl-Cs before mpirun even started
+                return self._outcome({})
             self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                          bufsize=1, start_new_session=True, env=self.env)
-            self._maybe_send_stop()
             pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.out), daemon=True),
                      threading.Thread(target=self._pump, args=(self.proc.stderr, self.err), daemon=True)]
             for t in pumps:
@@ -163,12 +164,12 @@ class Supervisor:
                     if not self.killed:
                         self._say(f"mpirun still running {self.grace:.0f}s after the job failed; ending it")
                     self._end_mpirun()
+            for t in pumps:
+                t.join(timeout=2)
+            leftovers = {} if self.complete else self.clean_hosts()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-        for t in pumps:
-            t.join(timeout=2)
-        leftovers = {} if self.complete else self.clean_hosts()
         return self._outcome(leftovers)
 
     def _end_mpirun(self) -> None:
