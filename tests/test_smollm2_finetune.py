@@ -3,6 +3,7 @@ format from a small instruction set made here; eval loss falls and greedy chat s
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ def test_lora_teaches_a_reply_format(tmp_path):
     r = run_train(["--config", "configs/smollm2-lora-demo.yaml", f"model.path={gguf}", f"data.path={data}",
                    "data.seq_len=48", "finetune.layers=6", "train.steps=30", "train.eval_every=10",
                    "train.warmup_steps=3", "train.progress=false", f"train.out_dir={run}"], timeout=900,
-                  cwd=Path(__file__).resolve().parents[1])
+                  cwd=Path(__file__).resolve().parents[1],
+                  extra_env={"OPENBLAS_NUM_THREADS": str(os.cpu_count() or 1)})  # one process: every core
     assert r.returncode == 0, r.stderr[-3000:]
     evals = [e["eval_loss"] for e in map(json.loads, (run / "logs" / "rank0.jsonl").read_text().splitlines())
              if e["event"] == "eval"]
