@@ -157,15 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         history = ", ".join(f"step {e['step']}: {e['old']} -> {e['new']}" for e in changes)
         print(f"balanced: {balanced:.1f} samples/s = {balanced / ideal:.3f} of ideal "
               f"(target >= 0.95); {balanced / equal:.2f}x the equal split's rate", flush=True)
-        final = steps[-1]["shares"]
+        # A step event carries the split decided after it, so step k ran on event k-1's; the
+        # final split is the one the last step ran on (a decision after it never ran).
+        ran_on = [None, *[e["shares"] for e in steps[:-1]]]
+        final, unrun = ran_on[-1] or steps[-1]["shares"], steps[-1]["shares"]
         want = [round(g * r / ideal, 1) for r in solo_mean]
         # The split that would finish every host's forward/backward at once if its time
         # were proportional to its share: the solo step rates also hold the optimizer
         # step, which the rig does not slow, so the two references differ.
         per_sample = [(b + a) / 2 / g for b, a in zip(compute_between, compute_after, strict=True)]
         equal_finish = [round(g * (1 / c) / sum(1 / c for c in per_sample), 1) for c in per_sample]
-        # A step event carries the split decided after it, so step k ran on event k-1's.
-        ran_on = [None, *[e["shares"] for e in steps[:-1]]]
         at_final = [k for k, sh in enumerate(ran_on) if sh == final and k >= args.balance_skip]
         final_compute = [statistics.median(compute_times(Path(tmp) / "balanced", r)[k] for k in at_final)
                          if at_final else float("nan") for r in range(n)]
@@ -173,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         sync = statistics.median(e["sync_s"] / e["step_s"] for e in kept) if kept else 0.0
         off = max(abs(f - w) / w for f, w in zip(final, want, strict=True))
         print(f"final shares {final} of {g} (proportional to solo speed: {want}, largest gap {off:.0%}; "
-              f"equal finish by solo compute: {equal_finish}); {len(changes)} change(s): {history or 'none'}; "
-              f"sync {sync:.1%} of a step")
+              f"equal finish by solo compute: {equal_finish}); {len(changes)} change(s): {history or 'none'}"
+              + (f" (the last, {unrun}, decided after the final step, never ran)" if unrun != final else "")
+              + f"; sync {sync:.1%} of a step")
         # What separates the balanced rate from the ideal: time per sample at the smaller
         # shares (versus the whole batch alone), and the step beyond its slowest rank's compute.
         final_per_sample = [c / sh for c, sh in zip(final_compute, final, strict=True)]
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         result |= {"solo_before": before, "solo_between": between, "solo_after": after, "ideal": ideal,
                    "ideal_equal": ideal_equal, "equal": equal, "equal_ratio": equal / ideal_equal,
                    "balanced": balanced, "balanced_ratio": balanced / ideal,
-                   "final_shares": final, "proportional": want, "proportional_gap": off,
+                   "final_shares": final, "decided_after_last_step": unrun, "proportional": want, "proportional_gap": off,
                    "equal_finish_solo_compute": equal_finish, "final_compute_s": final_compute,
                    "final_per_sample_s": final_per_sample, "final_step_s": final_step,
                    "solo_compute_s": [compute_before, compute_between, compute_after],
