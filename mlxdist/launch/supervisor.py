@@ -147,7 +147,6 @@ class Supervisor:
         old = {}
         if threading.current_thread() is threading.main_thread():
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        pumps: list[threading.Thread] = []
         try:
             print(shlex.join(self.cmd), file=self.out, flush=True)
             if self.killed:  # two Ctrl-Cs before mpirun even started
