@@ -2,11 +2,15 @@
 
 N namespace hosts (default 2), the last one slowed 2x, train the same fixed global batch
 in one invocation: every host alone (all at once, before, between and after the rest: its
-solo rate), all together with the equal split, and all together with the balancer on. The
+solo rate), all together with the equal split, all together with the balancer on, and
+all together at the best fixed split the solo runs point to (the balancer's oracle). The
 ideal is the sum of the solo rates taken just before and after a cluster run (no rank ever
 waits); balancing is worth having if it gets close to that while the equal split is held to
-N times the slow host's rate. Everything runs side by side in one
-process run, because only ratios measured together mean anything on a shared machine.
+N times the slow host's rate. The oracle run separates the balancer's own loss (balanced
+against oracle) from what lockstep steps cost on this machine (oracle against ideal: a step
+lasts as long as its slowest rank's compute that step, and this VM's compute jitters).
+Everything runs side by side in one process run, because only ratios measured together
+mean anything on a shared machine.
 
 Two ways to slow a host (`--mode`):
   compute (default)  the host's forward/backward takes X times as long, its CPU stays free
@@ -56,6 +60,23 @@ def compute_times(run_dir: Path, rank: int) -> list[float]:
 def median_compute(run_dir: Path, rank: int, skip: int) -> float:
     """Median forward/backward seconds of one rank over its steps after `skip`."""
     return statistics.median(compute_times(run_dir, rank)[skip:])
+
+
+def whole_split(total: int, weights: list[float]) -> list[int]:
+    """`total` in whole samples as near `weights` as rounding allows (largest remainder)."""
+    exact = [total * w / sum(weights) for w in weights]
+    split = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: split[i] - exact[i])[:total - sum(split)]:
+        split[i] += 1
+    return split
+
+
+def lockstep_cost(computes: list[list[float]]) -> float:
+    """How much longer a lockstep step is than the slowest rank's mean compute, from
+    compute jitter alone: mean over steps of the slowest rank that step, against the
+    slowest rank's mean (0 with no jitter)."""
+    slowest_each = [max(c) for c in zip(*computes, strict=True)]
+    return statistics.fmean(slowest_each) / max(statistics.fmean(c) for c in computes) - 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         def solo_compute(tag: str) -> list[float]:
             return [median_compute(Path(tmp) / f"solo-{tag}-{h}", 0, args.skip) for h in range(1, n + 1)]
 
-        def together(name: str, balance: bool) -> list[dict]:
-            return cluster_run(cluster, [*common, f"train.steps={args.steps}",
+        def together(name: str, balance: bool, split: list[int] | None = None) -> list[dict]:
+            entries = ", ".join(f"rank{r}: {{batch_size: {b}}}" for r, b in enumerate(split or []))
+            fixed = [f"nodes={{{entries}}}"] if split else []
+            return cluster_run(cluster, [*common, *fixed, f"train.steps={args.steps}",
                                          f"control.balance={'true' if balance else 'false'}"], Path(tmp) / name,
                                args.timeout)
 
@@ -141,14 +164,21 @@ def main(argv: list[str] | None = None) -> int:
         bal_events = together("balanced", balance=True)
         after = solos("after")
         compute_after = solo_compute("after")
+        # The oracle: no balancer, each rank's share fixed where the solo runs say every
+        # rank's compute ends together.
+        solo_per_sample = [statistics.fmean(c) / g for c in zip(compute_before, compute_between, compute_after,
+                                                                 strict=True)]
+        best_split = whole_split(g, [1 / c for c in solo_per_sample])
+        fixed_events = together("fixed", balance=False, split=best_split)
+        last = solos("last")
         # Load from other jobs drifts over minutes: each cluster run is held to the solo
-        # rates taken just before and just after it, and all three are printed.
-        ideal_equal, ideal = bracketing_bounds([before, between, after])
+        # rates taken just before and just after it, and all of them are printed.
+        ideal_equal, ideal, ideal_fixed = bracketing_bounds([before, between, after, last])
         solo_mean = [(a + b) / 2 for a, b in zip(between, after, strict=True)]
-        print("solo: " + ", ".join(f"host {h} ({how[h]}) {b:.1f} before, {m:.1f} between, {a:.1f} after"
-                                   for h, b, m, a in zip(range(1, n + 1), before, between, after, strict=True))
-              + f" samples/s; ideal around the equal run {ideal_equal:.1f}, around the balanced run {ideal:.1f} "
-              "samples/s", flush=True)
+        print("solo: " + ", ".join(f"host {h} ({how[h]}) {b:.1f}, {m:.1f}, {a:.1f}, {z:.1f}"
+                                   for h, b, m, a, z in zip(range(1, n + 1), before, between, after, last, strict=True))
+              + f" samples/s (before, between, after, last); ideal around the equal run {ideal_equal:.1f}, "
+              f"the balanced run {ideal:.1f}, the fixed run {ideal_fixed:.1f} samples/s", flush=True)
         print(f"equal split: {equal:.1f} samples/s = {equal / ideal_equal:.3f} of ideal "
               f"(shares {equal_shares})", flush=True)
         balanced = steady_rate(bal_events, args.balance_skip)
@@ -186,14 +216,27 @@ def main(argv: list[str] | None = None) -> int:
             for r, (c, ps, solo) in enumerate(zip(final_compute, final_per_sample, per_sample, strict=True)))
             + f"; step {final_step:.3f} s, the slowest rank's compute {max(final_compute) / final_step:.1%} of it",
             flush=True)
+        fixed = steady_rate(fixed_events, args.skip)
+        bal_computes = [compute_times(Path(tmp) / "balanced", r) for r in range(n)]
+        fixed_computes = [compute_times(Path(tmp) / "fixed", r) for r in range(n)]
+        jitter = [lockstep_cost([c[k:] for c in cs]) for cs, k in ((bal_computes, args.balance_skip),
+                                                                   (fixed_computes, args.skip))]
+        print(f"best fixed split {best_split} (every rank's solo compute ending together), no balancer: "
+              f"{fixed:.1f} samples/s = {fixed / ideal_fixed:.3f} of ideal; the balancer reached "
+              f"{balanced / ideal / (fixed / ideal_fixed):.3f} of that; compute jitter makes a lockstep step "
+              f"{jitter[0]:+.1%} (balanced), {jitter[1]:+.1%} (fixed) longer than its slowest rank's mean compute",
+              flush=True)
         result |= {"solo_before": before, "solo_between": between, "solo_after": after, "ideal": ideal,
                    "ideal_equal": ideal_equal, "equal": equal, "equal_ratio": equal / ideal_equal,
                    "balanced": balanced, "balanced_ratio": balanced / ideal,
                    "final_shares": final, "decided_after_last_step": unrun, "proportional": want, "proportional_gap": off,
                    "equal_finish_solo_compute": equal_finish, "final_compute_s": final_compute,
                    "final_per_sample_s": final_per_sample, "final_step_s": final_step,
+                   "solo_last": last, "ideal_fixed": ideal_fixed, "best_fixed_split": best_split, "fixed": fixed,
+                   "fixed_ratio": fixed / ideal_fixed, "balanced_vs_fixed": balanced / ideal / (fixed / ideal_fixed),
+                   "lockstep_cost": {"balanced": jitter[0], "fixed": jitter[1]},
                    "solo_compute_s": [compute_before, compute_between, compute_after],
-                   "balanced_compute_s": [compute_times(Path(tmp) / "balanced", r) for r in range(n)],
+                   "balanced_compute_s": bal_computes, "fixed_compute_s": fixed_computes,
                    "balanced_shares": [e["shares"] for e in steps],
                    "changes": [{"step": e["step"], "old": e["old"], "new": e["new"]} for e in changes],
                    "sync_fraction": sync}
