@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TextIO
 
 # Printed by world.abort on the rank that ends the job (stall watchdog, fatal error).
 ABORT = "mlxdist-abort:"
@@ -70,6 +72,16 @@ class RestartCounts:
 
     def env(self) -> list[str]:
         return [f"{RESTARTS_ENV}={self.restarts}", f"{LOST_STEPS_ENV}={self.lost_steps}"]
+
+
+def write_line(line: str, stream: TextIO | None = None) -> None:
+    """`line` and its newline in one write (stderr by default). `print` writes them apart,
+    and a rank's stall watchdog thread and a signal handler on its main thread do print at
+    once (a stall abort while mpirun's SIGTERM arrives): their lines ran together, and the
+    supervisor and users read these lines one by one."""
+    stream = stream or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def abort_line(label: str, message: str, reason: str) -> str:

@@ -161,6 +161,40 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
+def test_a_signal_between_a_line_and_its_newline_does_not_run_two_lines_together(monkeypatch) -> None:
+    """A stall abort's line (the watchdog's thread) and the SIGTERM mpirun sends the ranks
+    right after (the main thread's handler) once came out as one line, and the test below
+    then read a second rank named in it. Here the signal lands inside the first write."""
+    import io
+    import sys
+
+    from mlxdist import markers
+    from mlxdist.dist.world import World
+
+    class SignalInsideWrite(io.StringIO):
+        fired = False
+
+        def write(self, s: str) -> int:
+            n = super().write(s)
+            if not self.fired:
+                self.fired = True
+                os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this write returns
+            return n
+
+    stream = SignalInsideWrite()
+    monkeypatch.setattr(sys, "stderr", stream)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, markers.STOP_SIGNAL)}
+    abort = markers.abort_line("rank 1 (vm)", "stalled 5s in waiting: no heartbeat from rank 2 (vm)", "stalled")
+    try:
+        World(rank=1, host="vm").install_signal_handlers()
+        markers.write_line(abort)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert stream.getvalue().splitlines() == [
+        abort, "mlxdist: rank 1 (vm): SIGTERM received; stopping after this step (again to exit now)"]
+
+
 @pytest.mark.cluster
 @pytest.mark.parametrize("n,frozen,engine", [(2, 1, "mlx"), (2, 0, "mlx"), (3, 2, "mlx"), (3, 0, "mlx"),
                                              (2, 1, "torch")])

@@ -203,7 +203,7 @@ class World:
         The line carries markers.ABORT so `launch/mlxrun` knows why without reading prose;
         `reason` is `stalled` for the watchdog. `Abort` itself can hang when the link to
         mpirun is cut, so the process ends on its own a few seconds later regardless."""
-        print(markers.abort_line(self.label, message, reason), file=sys.stderr, flush=True)
+        markers.write_line(markers.abort_line(self.label, message, reason))
         if self.comm is not None:
             faulthandler.dump_traceback_later(ABORT_GRACE_S, exit=True, file=_devnull())
             self.comm.Abort(code)
@@ -234,8 +234,8 @@ class World:
             try:
                 self._heartbeat = Heartbeat.start(self, self.heartbeat_interval, self._status)
             except OSError as e:
-                print(f"mlxdist: {self.label}: no heartbeat side channel ({e}); a stall will not "
-                      "name the rank that caused it", file=sys.stderr, flush=True)
+                markers.write_line(f"mlxdist: {self.label}: no heartbeat side channel ({e}); "
+                                   "a stall will not name the rank that caused it")
             threading.Thread(target=self._watchdog, daemon=True, name="stall-watchdog").start()
 
     @property
@@ -285,13 +285,13 @@ class World:
             if self.stop_requested:
                 os._exit(128 + signum)
             self.stop_requested = True
-            print(f"mlxdist: {self.label}: {signal.Signals(signum).name} received; stopping after this step "
-                  "(again to exit now)", file=sys.stderr, flush=True)
+            markers.write_line(f"mlxdist: {self.label}: {signal.Signals(signum).name} received; "
+                               "stopping after this step (again to exit now)")
 
         for sig in (signal.SIGINT, signal.SIGTERM, markers.STOP_SIGNAL):
             signal.signal(sig, handler)
         if os.environ.get(markers.SUPERVISED_ENV):
-            print(markers.ready_line(self.rank), flush=True)
+            markers.write_line(markers.ready_line(self.rank), sys.stdout)
 
 
 def _devnull():

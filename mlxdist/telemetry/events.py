@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from .. import markers
+
 
 class EventLog:
     def __init__(self, run_dir: str | Path, rank: int, host: str):
@@ -64,7 +66,7 @@ class Progress:
     def message(self, text: str) -> None:
         if self.tty and self.enabled:
             self.stream.write("\r" + " " * 100 + "\r")
-        print(text, file=self.stream, flush=True)
+        markers.write_line(text, self.stream)
 
     def close(self) -> None:
         if self.tty and self.enabled:

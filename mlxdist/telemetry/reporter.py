@@ -8,7 +8,6 @@ counted, or counted under a name the event log does not use.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,7 +34,7 @@ class Log:
         elif self.progress is not None:
             self.progress.message(text)
         else:
-            print(text, file=sys.stderr, flush=True)
+            markers.write_line(text)
 
     def close(self) -> None:
         if self.file:
