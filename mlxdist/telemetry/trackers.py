@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from .. import markers
 from ..config import Config, ConfigError, report_to_names
 from .metrics import _DECISIONS
 
@@ -129,7 +130,7 @@ class Trackers:
 
     def __init__(self, backends: list[Tracker], warn: Callable[[str], None] | None = None):
         self.backends = list(backends)
-        self.warn = warn or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.warn = warn or markers.write_line
         self.map = ScalarMap()
         self.status = "failed"  # until the `end` event says otherwise
         if self.backends:
