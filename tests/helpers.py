@@ -28,7 +28,7 @@ def env() -> dict:
 
 
 def mpirun_path() -> str:
-    from mlxdist.dist.world import find_mpirun
+    from mlxdist.cluster.world import find_mpirun
 
     try:
         return find_mpirun()

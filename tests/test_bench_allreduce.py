@@ -49,10 +49,10 @@ RING = textwrap.dedent("""
     import sys
     import mlx.core as mx
     import numpy as np
-    from mlxdist.dist.collective import Mpi4pyCollective, ring_allreduce
+    from mlxdist.cluster.collective import Mpi4pyCollective, ring_allreduce
     from mlxdist.engine.common import checksum
     from mlxdist.sync.grad import GradSync
-    from mlxdist.dist.world import init_world
+    from mlxdist.cluster.world import init_world
 
     world = init_world("mpi4py")
     r, n = world.rank, world.size

@@ -454,10 +454,10 @@ def test_bad_settings_name_the_key():
 MPI_SCRIPT = """
 import json, sys
 import numpy as np
-from mlxdist.dist.collective import make_collective
+from mlxdist.cluster.collective import make_collective
 from mlxdist.sync.comm import allgather_from_comm, allreduce_from_collective, allreduce_from_comm
 from mlxdist.sync.overlap import OverlappedSync
-from mlxdist.dist.world import init_world
+from mlxdist.cluster.world import init_world
 from tests.test_diloco import RankState, drive, inner_step, make_dl
 
 wire, fragments, period, rounds, batches, delay, out = json.loads(sys.argv[1])

@@ -9,7 +9,7 @@ import re
 import pytest
 from helpers import FAST, run_train
 
-from mlxdist.dist.drift import SelfCheck, drift_verdict
+from mlxdist.cluster.drift import SelfCheck, drift_verdict
 
 HOSTS = ["studio", "mac-a", "mac-b", "mini"]
 

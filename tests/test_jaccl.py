@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from mlxdist.dist import jaccl
-from mlxdist.dist.jaccl import (
+from mlxdist.cluster import jaccl
+from mlxdist.cluster.jaccl import (
     RankFacts,
     check,
     device_matrix,
@@ -150,8 +150,8 @@ def test_this_machine_reports_what_is_missing():
 
 
 SCRIPT = """
-from mlxdist.dist.world import init_world
-from mlxdist.dist import jaccl
+from mlxdist.cluster.world import init_world
+from mlxdist.cluster import jaccl
 w = init_world()
 try:
     jaccl.bootstrap(w, "127.0.0.1")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, env
 
-from mlxdist.dist.world import default_mpi_library, mpi_library
+from mlxdist.cluster.world import default_mpi_library, mpi_library
 from mlxdist.launch.hosts import read_hostfile
 from mlxdist.launch.mpirun import mpirun_command
 from mlxdist.launch.supervisor import supervise
@@ -59,7 +59,7 @@ def test_mlxrun_from_a_plain_python3_runs_in_the_environment(tmp_path):
 
 
 def test_mpirun_beside_the_interpreter_wins_over_path(tmp_path, monkeypatch):
-    from mlxdist.dist.world import find_mpirun
+    from mlxdist.cluster.world import find_mpirun
 
     for d in ("env/bin", "other"):
         (tmp_path / d).mkdir(parents=True)

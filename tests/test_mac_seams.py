@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mlxdist.dist.awake import hold_awake, keep_awake_argv, keep_awake_prefix
-from mlxdist.dist.world import default_mpi_library, mpi_library
+from mlxdist.cluster.awake import hold_awake, keep_awake_argv, keep_awake_prefix
+from mlxdist.cluster.world import default_mpi_library, mpi_library
 from mlxdist.engine.memory import (
     METAL_WORKING_SET_KEY,
     MemoryReading,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import FAST, env, logged_steps, train_command
 
-from mlxdist.dist.heartbeat import Heartbeat
-from mlxdist.dist.stall import stall_culprits
+from mlxdist.cluster.heartbeat import Heartbeat
+from mlxdist.cluster.stall import stall_culprits
 
 HOSTS = ["studio", "mac-a", "mac-b"]
 
@@ -169,7 +169,7 @@ def test_a_signal_between_a_line_and_its_newline_does_not_run_two_lines_together
     import sys
 
     from mlxdist import markers
-    from mlxdist.dist.world import World
+    from mlxdist.cluster.world import World
 
     class SignalInsideWrite(io.StringIO):
         fired = False

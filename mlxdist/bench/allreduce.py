@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..dist.world import launched_by_mpirun
+from ..cluster.world import launched_by_mpirun
 
 TRANSPORTS = ("raw-mpi4py", "mpi4py", "mlx-mpi", "mlx-ring")
 # Which launch measures which transport: the pure-mpi4py ones share a process.
@@ -115,8 +115,8 @@ def _worker(args: argparse.Namespace) -> int:
     import mlx.core as mx
     import numpy as np
 
-    from ..dist.collective import make_collective
-    from ..dist.world import init_world
+    from ..cluster.collective import make_collective
+    from ..cluster.world import init_world
     from ..sync.grad import GradSync
 
     family = args._worker
@@ -199,7 +199,7 @@ def _forwarded(argv: list[str]) -> list[str]:
 
 
 def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> dict:
-    from ..dist.world import default_mpi_library, find_mpirun
+    from ..cluster.world import default_mpi_library, find_mpirun
     from ..launch.mpirun import mpirun_command
 
     wanted = [t.strip() for t in args.transports.split(",") if t.strip()]

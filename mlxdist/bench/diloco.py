@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..dist.world import find_mpirun
+from ..cluster.world import find_mpirun
 from .runs import (
     REPO,
     bracketing_bounds,

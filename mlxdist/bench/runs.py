@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..dist.world import find_mpirun
+from ..cluster.world import find_mpirun
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..dist.world import find_mpirun
+from ..cluster.world import find_mpirun
 from .runs import REPO, check, finish, read_events, set_env
 
 RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}

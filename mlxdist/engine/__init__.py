@@ -7,8 +7,8 @@ on that name itself.
 
 from __future__ import annotations
 
+from ..cluster.world import World, init_world, resolve_backend
 from ..config import Config, ConfigError
-from ..dist.world import World, init_world, resolve_backend
 from ..tasks import Task
 from .base import Engine, LocalGradients, StepStats, local_step
 
@@ -58,7 +58,7 @@ def make_reducer(name: str, cfg: Config, world: World):
 
         return TorchGradSync(world, cfg.dist.bucket_mb, cfg.dist.wire_dtype, cfg.dist.overlap)
     if world.size > 1:
-        from ..dist.collective import make_collective
+        from ..cluster.collective import make_collective
         from ..sync.grad import GradSync
 
         collective = make_collective(world, resolve_backend(cfg.dist.backend), cfg.dist.ring_connections)

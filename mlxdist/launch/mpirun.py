@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from ..dist.world import default_mpi_library, find_mpirun
+from ..cluster.world import default_mpi_library, find_mpirun
 
 # Forwarded to the ranks when set here: they find the venv's python, the MPI library, this
 # checkout and the preloaded BLAS through them. `-x NAME` of an unset name is noise.

@@ -7,7 +7,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..dist.jaccl import is_mlx_hostfile, read_mlx_hostfile, to_openmpi_hostfile
+from ..cluster.jaccl import is_mlx_hostfile, read_mlx_hostfile, to_openmpi_hostfile
 from ..markers import SUPERVISED_ENV
 from .hosts import LOCAL_NAMES, HostEntry, LaunchError, Remote, hostfile_text, read_hostfile
 from .mpirun import hostfile_network, mpirun_command
@@ -50,7 +50,7 @@ class Launch:
 
 
 def _mpirun_beside(python: str) -> str:
-    from ..dist.world import find_mpirun
+    from ..cluster.world import find_mpirun
 
     return find_mpirun(python)
 

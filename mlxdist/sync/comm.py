@@ -14,7 +14,7 @@ from .diloco import AllGather, AllReduceSum
 
 
 def allreduce_from_collective(collective) -> AllReduceSum:
-    """`collective` is an mlxdist.dist.collective.Collective; results come back as fp32 numpy."""
+    """`collective` is an mlxdist.cluster.collective.Collective; results come back as fp32 numpy."""
     import mlx.core as mx
 
     def allreduce_sum(arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -29,7 +29,7 @@ def allreduce_from_comm(comm) -> AllReduceSum:
     """Sums over an mpi4py communicator with the project's ring all-reduce: the same
     bits on every rank, and no MLX, so it can run on a background thread (give it its
     own `comm.Dup()` there, so its messages never meet the training loop's)."""
-    from ..dist.ring import ring_allreduce
+    from ..cluster.ring import ring_allreduce
 
     def allreduce_sum(arrays: list[np.ndarray]) -> list[np.ndarray]:
         srcs = [np.ascontiguousarray(a).reshape(-1) for a in arrays]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cluster.world import World
 from ..control.plan import Decision
-from ..dist.world import World
 from ..engine.base import Engine, StepStats
 
 

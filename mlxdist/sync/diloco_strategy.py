@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cluster.world import World
 from ..config import Config, DistConfig
 from ..control.plan import Decision
-from ..dist.world import World
 from ..engine.base import Engine, StepStats, local_step
 from ..state import rank_state
 from .comm import allgather_from_comm, allreduce_from_comm

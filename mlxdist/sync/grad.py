@@ -14,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from ..dist.collective import Collective
+from ..cluster.collective import Collective
 from .reducer import SyncStats, Unreduced, plan_buckets
 
 _WIRE = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}

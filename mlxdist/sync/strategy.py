@@ -13,9 +13,9 @@ from typing import Protocol
 
 import numpy as np
 
+from ..cluster.world import World
 from ..config import Config
 from ..control.plan import Decision
-from ..dist.world import World
 from ..engine.base import Engine, StepStats
 
 

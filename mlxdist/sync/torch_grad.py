@@ -1,6 +1,6 @@
 """Gradient sum across ranks for the PyTorch engine: torch.distributed has no MPS backend,
 so tensors are packed into flat buckets on their device, copied to host numpy once per
-bucket and summed over mpi4py (`dist/ring.py`, the same ring as MLX's), then copied back.
+bucket and summed over mpi4py (`cluster/ring.py`, the same ring as MLX's), then copied back.
 
 Overlap, as DDP does it: armed before a step's last backward, each bucket is packed and
 handed to a sender thread as soon as backward has finished all its gradients (post-
@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
-from ..dist.ring import RING_MIN_BYTES, NumpyAllReduce, bf16_bits, ring_allreduce
-from ..dist.world import World
+from ..cluster.ring import RING_MIN_BYTES, NumpyAllReduce, bf16_bits, ring_allreduce
+from ..cluster.world import World
 from .reducer import SyncStats, plan_buckets
 
 

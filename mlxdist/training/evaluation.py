@@ -3,9 +3,9 @@ before and after a re-split, an OOM shrink or a resume stay comparable."""
 
 from __future__ import annotations
 
+from ..cluster.world import World
 from ..config import TrainConfig
 from ..control.split import micro_batches
-from ..dist.world import World
 from ..engine.base import Engine
 from ..tasks import Task
 

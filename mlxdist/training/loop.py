@@ -16,6 +16,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from ..cluster.awake import hold_awake
+from ..cluster.drift import SelfCheck, drift_verdict
+from ..cluster.world import World, resolve_backend
 from ..config import Config, ConfigError
 from ..control import BatchSizeError, StepPlan, replan
 from ..control.controllers import Controllers
@@ -23,9 +26,6 @@ from ..control.plan import Decision
 from ..data import GlobalSampler
 from ..data.batch import BatchMaker
 from ..data.feed import StepFeed
-from ..dist.awake import hold_awake
-from ..dist.drift import SelfCheck, drift_verdict
-from ..dist.world import World, resolve_backend
 from ..engine import make_engine, make_reducer, make_world
 from ..engine.base import Engine, StepStats
 from ..engine.memory import MemoryReading

@@ -209,7 +209,7 @@ def jaccl_env(all_facts: list[RankFacts], matrix: list[list[Device]], rank: int,
 
 def bootstrap(world, ip: str, hostfile: str | None = None, port: int | None = None):
     """Check, build the matrix, set the environment, connect. Every rank gets the same
-    one-line error when a host lacks something. `world` is mlxdist.dist.world.World."""
+    one-line error when a host lacks something. `world` is mlxdist.cluster.world.World."""
     import mlx.core as mx
 
     facts = world.allgather(local_facts(ip))
