@@ -8,6 +8,7 @@ so `init_world` is told which data-plane backend will follow.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -204,6 +205,7 @@ class World:
         `reason` is `stalled` for the watchdog. `Abort` itself can hang when the link to
         mpirun is cut, so the process ends on its own a few seconds later regardless."""
         markers.write_line(markers.abort_line(self.label, message, reason))
+        self._give_back_terminal()
         if self.comm is not None:
             faulthandler.dump_traceback_later(ABORT_GRACE_S, exit=True, file=_devnull())
             self.comm.Abort(code)
@@ -279,10 +281,12 @@ class World:
     def install_signal_handlers(self) -> None:
         """First Ctrl-C/SIGTERM/SIGUSR1: stop at the next step boundary (all ranks agree,
         checkpoint). Second: exit now. SIGUSR1 is the one mpirun forwards to the ranks
-        (its own Ctrl-C ends the job), so `kill -USR1 MPIRUN_PID` and launch/mlxrun use it."""
+        (its own Ctrl-C ends the job), so `kill -USR1 MPIRUN_PID` and launch/mlxrun use it; under
+        plain mpirun at a terminal, Ctrl-C comes to the first local rank instead (terminal.py)."""
 
         def handler(signum, _frame):
             if self.stop_requested:
+                self._give_back_terminal()
                 os._exit(128 + signum)
             self.stop_requested = True
             markers.write_line(f"mlxdist: {self.label}: {signal.Signals(signum).name} received; "
@@ -292,6 +296,28 @@ class World:
             signal.signal(sig, handler)
         if os.environ.get(markers.SUPERVISED_ENV):
             markers.write_line(markers.ready_line(self.rank), sys.stdout)
+        elif self.launcher == "mpirun" and self.local_rank == 0:
+            self._take_terminal()
+
+    def _take_terminal(self) -> None:
+        """Plain mpirun: Ctrl-C comes to this rank, not to mpirun (see terminal.py)."""
+        from .terminal import give_back_on_signal, take_ctrl_c
+
+        give_back = take_ctrl_c(os.getppid())
+        if give_back is None:
+            return
+        self._give_back_terminal = give_back
+        atexit.register(give_back)
+        give_back_on_signal(give_back, (signal.SIGINT, signal.SIGTERM, markers.STOP_SIGNAL))
+
+        def no_suspend(_signum, _frame):
+            markers.write_line(f"mlxdist: {self.label}: Ctrl-Z does not suspend an mpirun job; "
+                               "Ctrl-C stops every rank after this step and saves")
+
+        signal.signal(signal.SIGTSTP, no_suspend)
+
+    def _give_back_terminal(self) -> None:
+        pass
 
 
 def _devnull():
