@@ -141,10 +141,42 @@ def test_ready_mac_passes_and_check_reports_first_rank_in_order():
     assert check([mac("a"), mac("b")]) is None
 
 
+def test_an_mlx_without_jaccl_is_force_reinstalled():
+    """A Mac upgraded to 26.2 after installing keeps the mlx wheel without jaccl, under the same
+    version number: `pip install -U mlx` does nothing, so the line says what does."""
+    line = missing(mac("studio", macos="26.2", built=False))
+    assert "pip install --force-reinstall --no-cache-dir mlx mlx-metal" in line
+    assert jaccl.JACCL_REINSTALL == "pip install --force-reinstall --no-cache-dir mlx mlx-metal"
+    assert "pip install -U mlx keeps it" in line and "\n" not in line
+
+
+def test_jaccl_reads_the_real_macos_version_not_the_sdk_compatibility_one():
+    # Python built against an older SDK is told 16.0 on macOS 26.2; sw_vers says 26.2.
+    real = jaccl.macos_version("darwin", "16.0", "26.2\n")
+    assert real == "26.2" and missing(mac("studio", macos=real)) is None
+    assert "needs macOS 26.2" in missing(mac("studio", macos=jaccl.macos_version("darwin", "26.1", "26.1\n")))
+    seen = {}
+
+    def run(argv, **kw):
+        seen.update(argv=argv, compat=kw["env"].get("SYSTEM_VERSION_COMPAT"))
+        return subprocess.CompletedProcess(argv, 0, "26.2\n", "")
+
+    assert jaccl.read_sw_vers("darwin", run) == "26.2\n"
+    assert seen == {"argv": ["sw_vers", "-productVersion"], "compat": "0"}
+    assert jaccl.read_sw_vers("linux", run) is None
+
+    def missing_tool(argv, **kw):
+        raise FileNotFoundError(argv[0])
+
+    assert jaccl.read_sw_vers("darwin", missing_tool) is None
+    assert jaccl.macos_version("darwin", "16.0", jaccl.read_sw_vers("darwin", missing_tool)) == "16.0"
+
+
 def test_this_machine_reports_what_is_missing():
     mx = pytest.importorskip("mlx.core")
     facts = jaccl.local_facts("127.0.0.1")
     assert facts.jaccl_built == mx.distributed.is_available(backend="jaccl")
+    assert facts.macos == jaccl.this_macos()
     if sys.platform != "darwin":
         assert missing(facts).startswith(f"dist.backend=mlx-jaccl: host {facts.host} is not a Mac")
 

@@ -237,3 +237,65 @@ def test_preflight_on_this_machine_passes_and_a_missing_python_is_named(tmp_path
     assert preflight.preflight(["localhost"], local, sys.executable, str(ROOT)) == []
     found = preflight.preflight(["localhost"], local, str(tmp_path / "nope" / "python"), str(ROOT))
     assert len(found) == 1 and "does not run there" in found[0] and "same path" in found[0]
+
+
+def _stand_in_mac(tmp_path, real, told):
+    """This machine as a Mac host: a `sw_vers` that prints the `real` version when asked for it
+    (SYSTEM_VERSION_COMPAT=0) and the `told` one otherwise, and a job Python that believes it
+    runs on macOS `told` (what an interpreter built against an older SDK is told on macOS 26).
+    Returns (PATH with that sw_vers first, the job Python)."""
+    import os
+
+    bin_ = tmp_path / "mac-bin"
+    bin_.mkdir()
+    sw_vers = bin_ / "sw_vers"
+    sw_vers.write_text(f'#!/bin/sh\nif [ "$SYSTEM_VERSION_COMPAT" = 0 ]; then echo {real}; else echo {told}; fi\n')
+    python = tmp_path / "mac-python"
+    python.write_text(f"#!{sys.executable}\nimport platform, sys\nsys.platform = 'darwin'\n"
+                      f"platform.mac_ver = lambda *a: ({told!r}, ('', '', ''), 'arm64')\n"
+                      "code, sys.argv = sys.argv[2], ['-c', *sys.argv[3:]]\n"
+                      "exec(compile(code, '<string>', 'exec'), {'__name__': '__main__'})\n")
+    for f in (sw_vers, python):
+        f.chmod(0o755)
+    return f"{bin_}{os.pathsep}{os.environ['PATH']}", str(python)
+
+
+@pytest.mark.parametrize("real, told, refused", [
+    ("14.6", "14.6", False), ("15.3", "15.3", False), ("13.6", "13.6", True),
+    ("26.2", "16.0", False),   # SDK compatibility: Python is told 16.0, sw_vers says 26.2
+    ("26.2", "26.2", False),
+])
+def test_preflight_reads_a_stand_in_mac_s_version(tmp_path, monkeypatch, real, told, refused):
+    import json
+
+    from mlxdist.launch import preflight
+    from mlxdist.launch.hosts import Remote
+
+    path, python = _stand_in_mac(tmp_path, real, told)
+    monkeypatch.setenv("PATH", path)
+    local = Remote(local_names=frozenset({"localhost"}))
+    reply = local.run("localhost", preflight.probe_script(["localhost"], python, str(ROOT)), 60)
+    assert preflight.report_macos(json.loads(reply.stdout.splitlines()[-1])) == real, reply.stdout + reply.stderr
+    found = preflight.preflight(["localhost"], local, python, str(ROOT))
+    if not refused:
+        assert found == []
+        return
+    assert found == ["host 'localhost' runs macOS 13.6; macOS 14 (Sonoma) or newer is needed: mlx/torch publish "
+                     "no wheels for 13; upgrade, or leave localhost out of the hostfile"]
+
+
+@pytest.mark.parametrize("python", ["stand-in", "missing"])
+def test_mlxrun_refuses_a_mac_below_14_and_starts_nothing(tmp_path, python):
+    """mlxrun on a hostfile with a macOS 13 host: one line naming it, exit 2, no mpirun. Also
+    when the job's Python does not run there (pip could not build the environment on 13)."""
+    path, mac_python = _stand_in_mac(tmp_path, "13.6", "13.6")
+    job_python = mac_python if python == "stand-in" else str(tmp_path / "no-env" / "bin" / "python")
+    r = subprocess.run([sys.executable, str(ROOT / "launch" / "mlxrun"), "--hostfile",
+                        str(ROOT / "hostfiles" / "localhost.hosts"), "--python", job_python, "--dry-run"],
+                       capture_output=True, text=True, timeout=60, env={**env(), "PATH": path})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == ""   # no mpirun command: nothing started
+    assert r.stderr.strip() == (
+        f"error: hostfile {ROOT / 'hostfiles' / 'localhost.hosts'}: host 'localhost' runs macOS 13.6; macOS 14 "
+        "(Sonoma) or newer is needed: mlx/torch publish no wheels for 13; upgrade, or leave localhost out of "
+        "the hostfile")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlxdist.cluster.awake import hold_awake, keep_awake_argv, keep_awake_prefix
+from mlxdist.cluster.jaccl import RankFacts, macos_tuple, macos_version, missing
 from mlxdist.cluster.world import default_mpi_library, mpi_library
 from mlxdist.engine.memory import (
     METAL_WORKING_SET_KEY,
@@ -23,6 +24,7 @@ from mlxdist.launch.mpirun import (
     hostfile_network,
     mpirun_command,
 )
+from mlxdist.launch.preflight import fallback_macos, macos_problem, report_macos
 
 GiB = 2**30
 
@@ -168,3 +170,52 @@ def test_mps_reading_with_torch_s_own_module_shape():
 ])
 def test_process_numbers(platform, rss, maxrss, expected):
     assert process_numbers(platform, rss, maxrss, 16 * GiB) == expected
+
+
+# -- 13. macOS minimums: 14 for the wheels, 26.2 for mlx-jaccl -------------------------------------
+# (mac_ver as Python reads it, what sw_vers prints, the real version, jaccl-capable)
+MACS = [
+    ("14.6", "14.6\n", "14.6", False),
+    ("15.3", "15.3\n", "15.3", False),
+    ("13.6", "13.6\n", "13.6", False),
+    ("16.0", "26.2\n", "26.2", True),    # Python built against an older SDK: compatibility reading
+    ("26.2", "26.2\n", "26.2", True),
+    ("26.1", None, "26.1", False),        # sw_vers did not run: Python's reading
+]
+
+
+@pytest.mark.parametrize("mac_ver, sw_vers, real, jaccl_ok", MACS)
+def test_macos_version_reads_the_real_version(mac_ver, sw_vers, real, jaccl_ok):
+    assert macos_version("darwin", mac_ver, sw_vers) == real
+    assert macos_version("linux", "", None) is None and macos_version("linux", mac_ver, sw_vers) is None
+    facts = RankFacts(host="studio", ip="", macos=real, jaccl_built=True, devices=["rdma_en2"])
+    assert (missing(facts) is None) == jaccl_ok
+
+
+@pytest.mark.parametrize("mac_ver, sw_vers, real, jaccl_ok", MACS)
+def test_preflight_refuses_a_mac_below_14_by_name(mac_ver, sw_vers, real, jaccl_ok):
+    report = {"macos": {"platform": "darwin", "mac_ver": mac_ver, "sw_vers": sw_vers}}
+    assert report_macos(report) == real
+    problem = macos_problem("mini.local", report_macos(report))
+    if real != "13.6":
+        assert problem is None
+        return
+    assert problem == ("host 'mini.local' runs macOS 13.6; macOS 14 (Sonoma) or newer is needed: mlx/torch "
+                       "publish no wheels for 13; upgrade, or leave mini.local out of the hostfile")
+
+
+def test_compatibility_readings_are_never_refused():
+    assert macos_tuple("16.0") == macos_tuple("16.4") == (26,)   # macOS 26, seen by an older SDK's Python
+    assert macos_tuple("10.16") == ()                            # macOS 11 or any later: unknown
+    assert macos_tuple("26.2.1") == (26, 2, 1) and macos_tuple("") == macos_tuple(None) == ()
+    for reading in ("16.0", "10.16"):   # sw_vers failed: Python's compatibility reading alone
+        assert macos_problem("studio", report_macos({"macos": {"platform": "darwin", "mac_ver": reading}})) is None
+    assert macos_version("darwin", "", "") == "unknown" and macos_problem("studio", "unknown") is None
+    assert report_macos({"macos": {"platform": "linux", "mac_ver": "", "sw_vers": None}}) is None
+    assert report_macos({}) is None and macos_problem("box", None) is None   # Linux, or an older probe
+
+
+def test_fallback_reading_when_the_job_python_does_not_run():
+    assert fallback_macos("mlxdist-preflight-macos:13.6\n") == "13.6"
+    assert fallback_macos("mlxdist-preflight-macos:\n") is None        # no sw_vers: not a Mac
+    assert fallback_macos("") is None

@@ -10,6 +10,11 @@ machines, from the one device each sees), and MLX connects.
 
 It only works on Macs with macOS 26.2+, RDMA enabled and an MLX build with the backend;
 anywhere else the user gets one line saying which of these is missing, on which host.
+
+The Mac's version is read here for all of mlxdist (`macos_version`, the launcher's preflight
+too): `platform.mac_ver()` alone is not enough, since a Python built against an older SDK is
+told "16.0" on macOS 26 (Apple's compatibility mode); `sw_vers -productVersion` run with
+`SYSTEM_VERSION_COMPAT=0` gives the real one.
 """
 
 from __future__ import annotations
@@ -20,12 +25,18 @@ import platform
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 MIN_MACOS = (26, 2)
+# A Mac upgraded to 26.2 after mlx was installed keeps the wheel without jaccl (same version
+# number, so `pip install -U mlx` does nothing): only a forced reinstall fetches the 26.x build.
+JACCL_REINSTALL = "pip install --force-reinstall --no-cache-dir mlx mlx-metal"
+# `macos_version`'s answer on a Mac whose version could not be read at all.
+UNKNOWN_MACOS = "unknown"
 
 Device = str | list[str] | None
 
@@ -105,19 +116,58 @@ class RankFacts:
     devices: list[str]
 
 
-def _version(text: str) -> tuple[int, ...]:
-    out = []
-    for part in text.split("."):
+def macos_tuple(text: str | None) -> tuple[int, ...]:
+    """"26.2.1" -> (26, 2, 1); () when `text` is no version, or tells no version. Compatibility
+    readings (what an interpreter built against an older SDK is told): "16.x" is macOS 26 or
+    newer (there was no macOS 16), so (26,); "10.16" is any of macOS 11 onwards, so ()."""
+    out: list[int] = []
+    for part in (text or "").strip().split("."):
         if not part.isdigit():
             break
         out.append(int(part))
+    if out[:1] == [16]:
+        return (26,)
+    if out[:2] == [10, 16]:
+        return ()
     return tuple(out)
+
+
+def macos_version(platform: str, mac_ver: str = "", sw_vers: str | None = None) -> str | None:
+    """The Mac's real macOS version ("26.2"), None where `platform` (a `sys.platform`) is not a Mac.
+
+    `mac_ver` is `platform.mac_ver()[0]`, `sw_vers` the output of `sw_vers -productVersion`
+    (None: not run, or it failed). sw_vers wins: `mac_ver` says "16.0" on macOS 26 when Python
+    was built against an older SDK (`macos_tuple` still reads that as 26 or newer). Without
+    either, `UNKNOWN_MACOS`."""
+    if platform != "darwin":
+        return None
+    for text in (sw_vers, mac_ver):
+        if macos_tuple(text):
+            return text.strip()
+    return UNKNOWN_MACOS
+
+
+def read_sw_vers(platform: str = sys.platform, run=subprocess.run) -> str | None:
+    """What `sw_vers -productVersion` prints on a Mac, asked for the real version
+    (`SYSTEM_VERSION_COMPAT=0`); None elsewhere or when it cannot run. `run`: subprocess.run."""
+    if platform != "darwin":
+        return None
+    try:
+        return run(["sw_vers", "-productVersion"], capture_output=True, text=True, timeout=10,
+                   env={**os.environ, "SYSTEM_VERSION_COMPAT": "0"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def this_macos() -> str | None:
+    """This machine's macOS version (`macos_version`), None when it is not a Mac."""
+    return macos_version(sys.platform, platform.mac_ver()[0], read_sw_vers(sys.platform))
 
 
 def local_facts(ip: str | None = None) -> RankFacts:
     import mlx.core as mx
 
-    macos = platform.mac_ver()[0] or None
+    macos = this_macos()
     devices: list[str] = []
     ibv = shutil.which("ibv_devices")
     if ibv:
@@ -136,10 +186,12 @@ def missing(facts: RankFacts) -> str | None:
     if facts.macos is None:
         return (f"{where} is not a Mac (JACCL is RDMA over Thunderbolt 5 between Macs); "
                 "use dist.backend=mlx-ring or mpi4py here")
-    if _version(facts.macos) < MIN_MACOS:
+    if macos_tuple(facts.macos) < MIN_MACOS:
         return f"{where} runs macOS {facts.macos}; RDMA over Thunderbolt needs macOS 26.2 or newer"
     if not facts.jaccl_built:
-        return f"{where}: this MLX build has no jaccl backend; upgrade mlx (pip install -U mlx)"
+        return (f"{where}: this MLX build has no jaccl backend (an mlx installed before the Mac ran macOS 26.2 "
+                "stays without it, and pip install -U mlx keeps it, same version); reinstall it: "
+                f"{JACCL_REINSTALL}")
     if not facts.devices:
         return (f"{where} shows no rdma_* devices (ibv_devices); enable RDMA (rdma_ctl enable in "
                 "Recovery) and connect the Thunderbolt 5 cables")
