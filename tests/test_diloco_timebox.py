@@ -170,8 +170,16 @@ def test_fast_rank_does_twice_the_inner_steps_and_nobody_waits(tmp_path):
     first, full = rounds[0], [e for e in rounds[1:] if e["inner_steps"] == e["planned"]]  # not cut by train.steps
     assert first["inner_steps"] == [6, 6]  # the first round trains every rank on every step, to time them
     assert len(full) >= 2, [e["inner_steps"] for e in rounds]
+    # The mechanism, not this machine's speed: each round's plan is the one the paces
+    # measured in the round before call for, and the slowed rank trains on fewer steps.
+    for before, e in zip(rounds, rounds[1:], strict=False):
+        expected = plan_round(before["pace_s"], before["idle_s"], box, min_steps=1,
+                              previous=RoundPlan(before["round_steps"], before["planned"]))
+        assert e["planned"] == expected.inner, (before, e)
+        assert e["round_steps"] == expected.steps or e is rounds[-1], (before, e)
+        assert before["pace_s"][1] > before["pace_s"][0] > 0, before
     fast, slow = sum(e["inner_steps"][0] for e in full), sum(e["inner_steps"][1] for e in full)
-    assert 1.4 <= fast / slow <= 3.0, [e["inner_steps"] for e in rounds]
+    assert fast > slow, [e["inner_steps"] for e in rounds]
     # The faster rank trained on every step of a round; the step events are the inner steps.
     for e in full:
         assert max(e["inner_steps"]) == e["round_steps"]

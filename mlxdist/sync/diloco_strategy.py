@@ -181,7 +181,7 @@ class DiLoCoStrategy:
             dict(step=step, round=self.box.rounds, round_steps=ticks, inner_steps=counts,
                  samples=[g["samples"] for g in gathered], seconds=seconds, waited_s=waited,
                  planned=done.inner, next_round_steps=nxt.steps, next_inner_steps=nxt.inner,
-                 pace_s=list(self.box.pace), box_s=self.box.seconds))
+                 pace_s=list(self.box.pace), idle_s=list(self.box.idle), box_s=self.box.seconds))
 
     def _event(self, step: int, s: OuterStats) -> Decision:
         d = self.dist
