@@ -121,9 +121,13 @@ class CheckpointConfig:
     every: int = field(default=100, metadata=_range(0))
     keep_last: int = field(default=3, metadata=_range(1))
     keep_best: bool = True
-    # Checkpoints are plain safetensors now (README, Checkpoints); old configs still load.
+    # Checkpoints are plain safetensors now (docs/checkpoints.md); old configs still load.
     zstd_level: int = field(default=3, metadata=_range(1, 22, help="unused: checkpoints are not compressed"))
-    resume: str = "none"
+    resume: str = field(default="none", metadata=_help("auto: continue the newest checkpoint in train.out_dir; "
+                                                        "or a checkpoint dir (--resume)"))
+    # A fresh run into a train.out_dir that holds another run's checkpoints is refused without it.
+    overwrite: bool = field(default=False, metadata=_help(
+        "a fresh run deletes the checkpoints and logs another run left in train.out_dir (--overwrite)"))
     # The run survives losing any one host's disk (--elastic).
     on_every_host: bool = field(default=False, metadata=_help("every host also keeps a verified copy (replicas/HOST)"))
 
@@ -404,7 +408,8 @@ def config_from_args(argv: list[str]) -> Config:
     """The Config that `python -m mlxdist.train ARGV` runs with, for tools that start the
     trainer (`launch/mlxrun --elastic`): `--config FILE`, `--resume X` (checkpoint.resume) and
     key=value overrides, on either side of the options. The trainer's other options
-    (`--engine torch`, `--device cpu`) are passed over with their values."""
+    (`--engine torch`, `--device cpu`) are passed over with their values; `--overwrite` is
+    checkpoint.overwrite."""
     path = resume = None
     overrides: list[str] = []
     i = 0
@@ -417,6 +422,9 @@ def config_from_args(argv: list[str]) -> Config:
             overrides.append(arg)
             continue
         flag, eq, value = arg.partition("=")
+        if not eq and len(flag) > 3 and "--overwrite".startswith(flag):  # a switch: takes no value
+            overrides.append("checkpoint.overwrite=true")
+            continue
         ours = next((o for o in ("--config", "--resume") if len(flag) > 2 and o.startswith(flag)), None)
         if not eq and i < len(argv) and not argv[i].startswith("-") and (ours or "=" not in argv[i]):
             value, i = argv[i], i + 1  # the option's value

@@ -41,7 +41,7 @@ STOP_SIGNAL = signal.SIGUSR1
 
 
 class Exit(IntEnum):
-    """`launch/mlxrun` exit codes (README: "How a job ends")."""
+    """`launch/mlxrun` exit codes (docs/running-on-macs.md, "How a job ends")."""
 
     OK = 0  # every rank stopped at one step with a checkpoint: finished, early-stopped or stopped on request
     FAILED = 1  # the job ended without its completion record (a rank crashed or raised)

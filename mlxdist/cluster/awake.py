@@ -2,7 +2,7 @@
 that take the platform, so their logic is tested on Linux.
 
 `caffeinate -i` stops idle sleep, the kind that ends a long run on a MacBook left alone.
-It does not stop sleep when a MacBook's lid closes (README, "On a Mac").
+It does not stop sleep when a MacBook's lid closes (docs/running-on-macs.md, "On a Mac").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Three transports behind one small interface, chosen by `dist.backend`:
 - `mlx-mpi`: `mx.distributed` with its MPI backend;
 - `mlx-ring`: `mx.distributed` with its TCP ring backend, bootstrapped over mpi4py.
 `auto` picks mpi4py: with the ring it measured fastest on loopback and between hosts
-on shaped links (`python -m mlxdist.bench allreduce`; see README, "Choosing a backend").
+on shaped links (`python -m mlxdist.bench allreduce`; see docs/performance.md, "Choosing a backend").
 The ring itself, and why it is ours, is in `ring.py` (numpy only).
 """
 

@@ -62,7 +62,7 @@ def default_mpi_library(mpirun: str | None = None) -> str:
 
 
 def resolve_backend(requested: str) -> str:
-    """What `dist.backend: auto` means (measurements in README, "Choosing a backend")."""
+    """What `dist.backend: auto` means (measurements in docs/performance.md, "Choosing a backend")."""
     return "mpi4py" if requested == "auto" else requested
 
 
@@ -113,7 +113,7 @@ def refuse_mlx_launch(env: Mapping[str, str] = os.environ) -> None:
         raise LaunchError(
             f"started by mlx.launch with its {backend} backend (MLX_RANK={env['MLX_RANK']}), which mlxdist's "
             "MPI control plane cannot join; launch with `mlx.launch --backend mpi --hostfile HOSTS -- python -m "
-            "mlxdist.train ...` or `mlxrun --hostfile HOSTS -- ...` (README: Running on several Macs)")
+            "mlxdist.train ...` or `mlxrun --hostfile HOSTS -- ...` (docs/running-on-macs.md)")
 
 
 @dataclass
