@@ -6,6 +6,7 @@ in well under a minute on two cores; the cache is built once for the module."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -35,6 +36,10 @@ def task_args(tmp_path_factory) -> dict:
     r = subprocess.run([sys.executable, "task.py", "prepare", str(config)], cwd=MIDI, env=env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "training windows" in r.stdout, r.stdout + r.stderr
+    # converting is minutes on the real subsets: it says how far it is, on stderr
+    assert "prepare: 3 scores of bach to parse" in r.stderr, r.stderr
+    assert re.search(r"^prepare: 3/3 scores parsed \(bach\), \d+k tokens so far, \dm\d\ds elapsed$", r.stderr, re.M), \
+        r.stderr
     return args
 
 
@@ -47,9 +52,44 @@ def one_rank(task_args, tmp_path_factory):
     """The reference: batch 8 on one process, never interrupted."""
     out = tmp_path_factory.mktemp("midi-one")
     r = run_train([*EXACT, with_args(task_args), "train.batch_size=8", f"train.steps={STEPS}",
-                   f"train.out_dir={out}"], cwd=MIDI)
+                   f"train.eval_every={STEPS}", "train.eval_batches=0", f"train.out_dir={out}"], cwd=MIDI)
     assert r.returncode == 0, r.stderr
     return out
+
+
+def task_py(*args: str) -> str:
+    r = subprocess.run([sys.executable, "task.py", *map(str, args)], cwd=MIDI, env=env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def held_out_loss(stdout: str) -> float:
+    return float(re.search(r"held-out loss ([0-9.]+) per token over all (\d+) held-out windows", stdout)[1])
+
+
+def test_task_py_eval_is_mlxdists_own_evaluation_over_every_held_out_window(one_rank):
+    logged = [json.loads(line) for line in (one_rank / "logs" / "rank0.jsonl").read_text().splitlines()]
+    evals = [e["eval_loss"] for e in logged if e["event"] == "eval"]
+    out = task_py("eval", one_rank)
+    assert out.startswith(f"{one_rank} step {STEPS}: held-out loss ") and len(evals) == 1, out
+    assert abs(held_out_loss(out) - evals[0]) < 1e-3, (out, evals)
+
+
+def test_a_finetune_that_forgets_the_model_says_so_in_one_line(task_args, one_rank, tmp_path):
+    """init_from a checkpoint of another model size: one line with the counts, a few names and
+    the override to add, not a line per missing parameter."""
+    args = {k: v for k, v in task_args.items() if k != "model"} | {"init_from": str(one_rank)}
+    r = run_train([*EXACT, with_args(args), "train.batch_size=8", "train.steps=1", f"train.out_dir={tmp_path}"],
+                  cwd=MIDI)
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if "init_from" in line]
+    assert len(lines) == 1 and "does not fit the model's" in lines[0], r.stderr
+    assert re.search(r"\d+ missing \(layers\.2\.\S+, layers\.2\.\S+, \.\.\. \d+ more\), 0 unexpected, "
+                     r"\d+ of another shape \(embed\.weight \(\d+, 32\) not \(\d+, 256\)", lines[0]), lines[0]
+    assert lines[0].endswith("task.args.model must be the pretraining run's: "
+                             "'task.args.model={dim: 32, layers: 2, heads: 4, ffn: 64}'"), lines[0]
+    assert not any(line.startswith("layers.") for line in r.stderr.splitlines()), r.stderr
 
 
 def test_unequal_ranks_learn_music_like_one_process(task_args, one_rank, tmp_path):
@@ -80,6 +120,11 @@ def test_a_lora_finetune_of_the_pretrained_run_resumes_exactly_and_writes_midi(t
     assert {k.rsplit(".", 1)[1] for k in whole} == {"lora_a", "lora_b"}, sorted(whole)  # adapters only
     assert sum(w.size for w in whole.values()) == 2 * (32 * 4 + 4 * 32 + 64 * 4 + 4 * 32)  # 2 blocks: q, down
     assert_same_weights(whole, final_weights(tmp_path / "split"), atol=1e-6)
+
+    # --base: the model the fine-tune started from (adapters at zero), scored like the pretrained run
+    # (bf16 compute here, fp32 there)
+    base = held_out_loss(task_py("eval", tmp_path / "whole", "--base"))
+    assert abs(base - held_out_loss(task_py("eval", one_rank))) < 0.02 * base
 
     out = tmp_path / "sample.mid"
     r = subprocess.run([sys.executable, "task.py", "generate", str(tmp_path / "split"), str(out), "--tokens", "48"],

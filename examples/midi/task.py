@@ -4,6 +4,7 @@ fine-tune on one, on real scores shipped inside the `music21` package (nothing d
     python -m mlxdist.train --config configs/pretrain.yaml            # from examples/midi
     python -m mlxdist.train --config configs/finetune-m1pro-16gb.yaml
     python task.py generate runs/finetune-bach bach.mid               # sample a MIDI file
+    python task.py eval runs/finetune-bach [--base]                   # held-out loss, every window once
     python task.py prepare configs/pretrain.yaml                      # build the cache only
 
 Scores -> MIDI (music21, once) -> REMI tokens (miditok) -> overlapping windows. The cache
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,15 +87,49 @@ def to_midi(score_path: Path, midi_path: Path) -> bool:
     return True
 
 
-def composer_tokens(composer: str, limit: int | None, cache: Path) -> tuple[dict[str, np.ndarray], int]:
-    """name -> BOS + REMI ids + EOS for the composer's first `limit` pieces, and the
-    vocabulary size; from the cache when it has them all."""
+class Progress:
+    """`prepare`'s account on stderr while it converts: scores parsed of the total, tokens so
+    far and the time taken, every `every` seconds (a Beethoven quartet alone takes tens of
+    seconds) and once at the end; silent when the cache has everything."""
+
+    def __init__(self, total: int, every: float = 10.0, out=None):
+        self.total, self.every, self.out = total, every, out or sys.stderr
+        self.done = self.tokens = self.skipped = 0
+        self.clock = time.monotonic
+        self.start = self.last = self.clock()
+
+    def line(self, composer: str) -> str:
+        took = self.clock() - self.start
+        skipped = f", {self.skipped} skipped" if self.skipped else ""
+        return (f"prepare: {self.done}/{self.total} scores parsed ({composer}{skipped}), "
+                f"{self.tokens / 1e3:.0f}k tokens so far, {int(took // 60)}m{int(took % 60):02d}s elapsed")
+
+    def advance(self, composer: str, tokens: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        self.skipped += int(tokens == 0)
+        now = self.clock()
+        if self.done == self.total or now - self.last >= self.every:
+            print(self.line(composer), file=self.out, flush=True)
+            self.last = now
+
+
+def _cached(composer: str, limit: int | None, cache: Path) -> tuple[list[tuple[str, Path]], Path, dict]:
+    """The composer's pieces, its token file and what that file already holds."""
     pieces = corpus_pieces(composer, limit)
     path = cache / "tokens" / f"{composer}-{_tokenizer_tag()}.npz"
     have = {}
     if path.exists():
         with np.load(path) as saved:
             have = dict(saved)
+    return pieces, path, have
+
+
+def composer_tokens(composer: str, limit: int | None, cache: Path,
+                    progress: Progress | None = None) -> tuple[dict[str, np.ndarray], int]:
+    """name -> BOS + REMI ids + EOS for the composer's first `limit` pieces, and the
+    vocabulary size; from the cache when it has them all."""
+    pieces, path, have = _cached(composer, limit, cache)
     missing = [(n, p) for n, p in pieces if n not in have]
     if missing:
         import symusic
@@ -104,6 +140,8 @@ def composer_tokens(composer: str, limit: int | None, cache: Path) -> tuple[dict
             midi = cache / "midi" / composer / (name.replace("/", "__") + ".mid")
             ids = [bos, *tok(symusic.Score(midi)).ids, eos] if to_midi(score_path, midi) else []
             have[name] = np.array(ids, np.int16)  # vocabulary < 32k; empty: failed, not retried
+            if progress is not None:
+                progress.advance(composer, len(ids))
         have[VOCAB] = np.array(len(tok))
 
         def save(tmp: Path) -> None:
@@ -142,8 +180,15 @@ class Windows:
 def split(composers, pieces, eval_every, cache) -> tuple[list[np.ndarray], list[np.ndarray], int]:
     """Every `eval_every`-th piece of each composer is held out (its last one if it has fewer)."""
     train, held = [], []
+    todo = sum(len([n for n, _ in listed if n not in have]) for listed, _, have in
+               (_cached(c, pieces, Path(cache)) for c in composers))
+    progress = None
+    if todo:
+        print(f"prepare: {todo} scores of {', '.join(composers)} to parse (music21 -> MIDI -> REMI tokens, "
+              f"once), cached in {cache}", file=sys.stderr, flush=True)
+        progress = Progress(todo)
     for composer in composers:
-        named, vocab = composer_tokens(composer, pieces, Path(cache))
+        named, vocab = composer_tokens(composer, pieces, Path(cache), progress)
         toks = list(named.values())
         if len(toks) < 2:
             raise ValueError(f"{composer}: {len(toks)} usable piece(s); need 2 (one is held out)")
@@ -209,18 +254,19 @@ def music_transformer(vocab: int, dim: int = 256, layers: int = 4, heads: int = 
 
 
 def load_pretrained(model, run_dir: str) -> None:
-    import mlx.core as mx
-
+    from mlxdist.models.weights import load_mlx
     from mlxdist.state.checkpoint import load_latest
 
     loaded = load_latest(Path(run_dir) / "checkpoints")
     if loaded is None:
         raise FileNotFoundError(f"init_from: no checkpoint in {run_dir}/checkpoints (run the pretraining first, "
                                 "and copy that run directory to every host)")
-    try:  # strict: every parameter, with its shape
-        model.load_weights([(k, mx.array(v)) for k, v in loaded.weights.items()], strict=True)
-    except ValueError as e:
-        raise ValueError(f"init_from {loaded.path}: {e}; task.args.model must be the pretraining run's") from None
+    was = loaded.state.get("config", {}).get("task", {}).get("args", {}).get("model")
+    shape = "{" + ", ".join(f"{k}: {v}" for k, v in was.items()) + "}" if isinstance(was, dict) else None
+    # strict: every parameter, with its shape; a mismatch is one line
+    load_mlx(model, loaded.weights, what=f"init_from {loaded.path}",
+             hint=f"task.args.model must be the pretraining run's: 'task.args.model={shape}'" if shape else
+             "task.args.model must be the pretraining run's")
 
 
 def add_lora(model, rank: int = 8, scale: float = 2.0, targets=("self_attn.q_proj", "self_attn.v_proj"),
@@ -291,13 +337,12 @@ def make_task(composers=("bach",), pieces: int | None = None, window: int = 512,
                         f"({n_tokens / 1e3:.0f}k REMI tokens), {len(held)} held out; windows of {window}")
 
 
-# ---------------------------------------------------------------- generation
-def generate(run_dir: str, out: str, tokens: int = 256, temperature: float = 1.0, seed: int = 0,
-             prompt: int = 32) -> int:
-    """Continue the first held-out piece's opening with the latest checkpoint's weights;
-    writes `out` and returns the number of notes in it, read back from the file."""
+# ---------------------------------------------------------------- a run's checkpoint
+def load_run(run_dir: str, base: bool = False):
+    """(task, model, checkpoint) of a run's latest checkpoint, the task rebuilt from the config
+    it recorded (run from the directory it was started in). `base`: the model before training,
+    as `build` makes it: for a fine-tune the init_from weights, with LoRA adapters at zero."""
     import mlx.core as mx
-    import symusic
     from mlx.utils import tree_unflatten
 
     from mlxdist.config import config_from_dict
@@ -308,12 +353,45 @@ def generate(run_dir: str, out: str, tokens: int = 256, temperature: float = 1.0
     if loaded is None:
         raise SystemExit(f"no checkpoint in {run_dir}/checkpoints")
     cfg = config_from_dict(loaded.state["config"])
+    if base and not cfg.task.args.get("init_from"):
+        raise SystemExit(f"--base: {run_dir} has no task.args.init_from; its model before training is random")
     task = make_task(**cfg.task.args)
     net = task.build(TaskContext("mlx", str(mx.default_device()), cfg.train.seed, cfg))
-    # A LoRA checkpoint holds the adapters only; the base came from init_from in build.
-    net.update(tree_unflatten([(k, mx.array(v)) for k, v in loaded.weights.items()]))
+    if not base:  # a LoRA checkpoint holds the adapters only; the base came from init_from in build
+        net.update(tree_unflatten([(k, mx.array(v)) for k, v in loaded.weights.items()]))
     net.eval()
+    return task, net, loaded
 
+
+def evaluate(run_dir: str, base: bool = False, batch: int = 8) -> float:
+    """Held-out loss per token over every held-out window once (mlxdist's own evaluation with
+    `train.eval_batches=0`), of the run's latest checkpoint or, with `base`, of its start."""
+    import mlx.core as mx
+
+    task, net, loaded = load_run(run_dir, base)
+    dtype = loaded.state["config"]["model"]["dtype"]
+    if dtype != "float32":  # the compute dtype, as mlxdist's evaluation runs
+        net.set_dtype(getattr(mx, dtype))
+    data, loss_sum, tokens = task.eval_dataset, 0.0, 0
+    for start in range(0, len(data), batch):
+        b = task.make_batch(data, list(range(start, min(len(data), start + batch))))
+        loss_sum += float(task.loss(net, mx.array(b.data)))
+        tokens += b.count
+    what = "before training (init_from)" if base else f"step {loaded.state.get('step', '?')}"
+    print(f"{run_dir} {what}: held-out loss {loss_sum / tokens:.3f} per token over all {len(data)} held-out "
+          f"windows ({tokens} tokens)")
+    return loss_sum / tokens
+
+
+# ---------------------------------------------------------------- generation
+def generate(run_dir: str, out: str, tokens: int = 256, temperature: float = 1.0, seed: int = 0,
+             prompt: int = 32) -> int:
+    """Continue the first held-out piece's opening with the latest checkpoint's weights;
+    writes `out` and returns the number of notes in it, read back from the file."""
+    import mlx.core as mx
+    import symusic
+
+    task, net, loaded = load_run(run_dir)
     tok = tokenizer()
     seq = [int(t) for t in task.eval_dataset.pieces[0][:prompt]]
     special = [tok[t] for t in tok.special_tokens]  # never drawn: EOS would end a short sample early
@@ -347,14 +425,20 @@ def main(argv: list[str]) -> int:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prompt", type=int, default=32, help="tokens of a held-out piece to continue")
+    e = sub.add_parser("eval", help="held-out loss per token of a run's latest checkpoint, every window once")
+    e.add_argument("run_dir")
+    e.add_argument("--base", action="store_true", help="the model before training: for a fine-tune, init_from's")
     pr = sub.add_parser("prepare", help="build the token cache of a config's task (before mpirun)")
     pr.add_argument("config")
     pr.add_argument("overrides", nargs="*", help="key=value, as for mlxdist.train (task.args.pieces=20)")
     a = p.parse_args(argv)
-    if a.cmd == "generate":
+    if a.cmd in ("generate", "eval"):
         from mlxdist.blas import ensure_openblas
 
         ensure_openblas()  # Linux: re-exec once with the fast BLAS, before MLX loads
+        if a.cmd == "eval":
+            evaluate(a.run_dir, a.base)
+            return 0
         return 0 if generate(a.run_dir, a.out, a.tokens, a.temperature, a.seed, a.prompt) > 0 else 1
     from mlxdist.config import load_config
 

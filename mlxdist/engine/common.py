@@ -22,17 +22,13 @@ def decays(shape: tuple[int, ...]) -> bool:
 
 def check_weights(expected: Mapping[str, tuple[int, ...]], weights: Mapping[str, np.ndarray],
                   what: str = "checkpoint") -> None:
-    """One line that says which parameter does not fit, before anything is overwritten."""
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise ValueError(f"{what} lacks {len(missing)} parameter(s), e.g. {missing[0]} "
-                         "(a different model.preset, model.path or finetune setting?)")
-    extra = sorted(set(weights) - set(expected))
-    if extra:
-        raise ValueError(f"{what} has {len(extra)} parameter(s) this model does not, e.g. {extra[0]}")
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != tuple(shape):
-            raise ValueError(f"{what}: {name} has shape {tuple(weights[name].shape)}, model has {tuple(shape)}")
+    """One line that says which parameters do not fit, before anything is overwritten."""
+    from ..models.weights import weights_mismatch
+
+    problem = weights_mismatch(expected, weights, what,
+                               "a different model.preset, model.path, finetune setting or task.args?")
+    if problem:
+        raise ValueError(problem)
 
 
 def sample_tokens(next_logits: Callable[[list[int]], np.ndarray], prompt: list[int], max_new: int,

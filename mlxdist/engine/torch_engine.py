@@ -12,7 +12,8 @@ Speed knobs and their defaults (each printed by `describe()`):
     get bit-for-bit fp32 matmuls (e.g. when comparing against the MLX engine).
   * `torch.compile` of the model forward: on for CUDA, off for MPS/CPU (slow to compile,
     little gain there); any non-empty `DISABLE_COMPILE` other than "0" turns it off.
-  * `model.dtype`: bfloat16 -> autocast bf16; float16 -> autocast fp16 + GradScaler.
+  * `model.dtype`: bfloat16 -> autocast bf16; float16 -> autocast fp16 + GradScaler (on a
+    CPU both are slower than float32, and the start-up says so: `slow_autocast_note`).
     Master weights are always fp32.
 """
 
@@ -112,6 +113,24 @@ def compile_enabled(device: str) -> tuple[bool, str]:
     return False, f"default off on {device.split(':')[0]}"
 
 
+# Step time against float32 for examples/audio's CNN on a 2-core x86 Linux box (bf16: 4.4x
+# here, 5x in the run that first met it; fp16 with its GradScaler: 2.7x).
+_CPU_AUTOCAST_COST = {"bfloat16": "4-5x", "float16": "~3x"}
+
+
+def slow_autocast_note(device_type: str, dtype: str) -> str | None:
+    """The banner's one line when `model.dtype` asks for autocast on a CPU, else None.
+
+    A Mac config (bf16, meant for MPS) run on a Linux CPU with `--device auto` autocasts its
+    matmuls and convolutions to bf16, which CPUs without bf16 units run far slower than fp32,
+    and nothing said why."""
+    if device_type != "cpu" or dtype == "float32":
+        return None
+    cost = _CPU_AUTOCAST_COST.get(dtype, "several times")
+    return (f"note: model.dtype {dtype} autocast is slow on a CPU (examples/audio: {cost} float32's step time); "
+            "model.dtype=float32 on the command line, or `model: {dtype: float32}` in the config, turns it off")
+
+
 def _tf32_wanted() -> bool:
     return os.environ.get("MLXDIST_TF32", "1") not in ("0", "", "false", "off")
 
@@ -200,6 +219,8 @@ class TorchEngine:
                     f"{self.device_type} ({e}); use model.dtype=bfloat16"
                 ) from None
         self._scaler_ready = False
+        # Lines the loop prints after the banner (training/loop.py: engine.notes).
+        self.notes = [n for n in [slow_autocast_note(self.device_type, self.dtype_name)] if n]
         self._hooked, self._on_ready = False, None
         self.last_skip_overflow = False
         self._reset_accumulators()
