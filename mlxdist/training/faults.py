@@ -112,8 +112,9 @@ class FaultyEngine:
 
     def __init__(self, engine, faults: Faults, rank: int, step: Callable[[], int]):
         self._engine, self._faults, self._rank, self._step = engine, faults, rank, step
-        self.notes = ([f"rig: rank {rank} computes x{faults.compute_scale:g} slower ({COMPUTE_SCALE_VAR})"]
-                      if faults.compute_scale != 1.0 else [])
+        self.notes = [*getattr(engine, "notes", []), *(
+            [f"rig: rank {rank} computes x{faults.compute_scale:g} slower ({COMPUTE_SCALE_VAR})"]
+            if faults.compute_scale != 1.0 else [])]
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
