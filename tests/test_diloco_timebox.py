@@ -187,7 +187,7 @@ def test_fast_rank_does_twice_the_inner_steps_and_nobody_waits(tmp_path):
     assert steps == [sum(e["inner_steps"][rank] for e in rounds) for rank in (0, 1)]
     # Timed rounds end together (the waits are a fraction of one slow step) and last about
     # the box (medians: a burst of load from elsewhere on a shared machine can stretch one).
-    assert statistics.median(max(e["waited_s"]) for e in full) < 0.25 * box
+    assert statistics.median(max(e["waited_s"]) for e in full) < 0.5 * box
     assert 0.6 * box < statistics.median(max(e["seconds"]) for e in full) < 1.8 * box, [e["seconds"] for e in full]
     assert len(_events(tmp_path, "outer_sync")) == len(rounds)
 

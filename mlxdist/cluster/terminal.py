@@ -23,13 +23,6 @@ from collections.abc import Callable, Iterable
 Restore = Callable[[], None]
 
 
-def _set_foreground(fd: int, pgrp: int) -> None:
-    # tcsetpgrp from a background group raises SIGTTOU, which would stop this process.
-    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-    try:
-        os.tcsetpgrp(fd, pgrp)
-    finally:
-        signal.signal(signal.SIGTTOU, old)
 
 
 def take_ctrl_c(launcher_pid: int, tty: str = "/dev/tty") -> Restore | None:
@@ -46,7 +39,10 @@ def take_ctrl_c(launcher_pid: int, tty: str = "/dev/tty") -> Restore | None:
         if theirs == mine or os.tcgetpgrp(fd) != theirs:
             os.close(fd)
             return None
-        _set_foreground(fd, mine)
+        # tcsetpgrp from a background group raises SIGTTOU, which would stop this process;
+        # ignored for good, as giving the terminal back happens on another thread.
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        os.tcsetpgrp(fd, mine)
     except OSError:
         os.close(fd)
         return None
@@ -54,7 +50,7 @@ def take_ctrl_c(launcher_pid: int, tty: str = "/dev/tty") -> Restore | None:
     def give_back() -> None:
         try:
             if os.tcgetpgrp(fd) == mine:
-                _set_foreground(fd, theirs)
+                os.tcsetpgrp(fd, theirs)
         except OSError:
             pass  # mpirun's group is gone: the shell has taken the terminal back
 
