@@ -158,3 +158,92 @@ def mlx_frozen_base(by_rank: bool = False) -> mlxdist.Task:
 
     task.build = frozen_build
     return task
+
+
+# ---------------------------------------------------------------- randomness that keeps exactness
+def flip_and_jitter(sample, rng):
+    """`Task.augment`: flip the sign of x and y together and jitter x, drawn from `rng` only."""
+    sign = np.float32(rng.choice([-1.0, 1.0]))
+    return {"x": sign * sample["x"] + rng.normal(0, 0.05, 8).astype(np.float32), "y": sign * sample["y"]}
+
+
+def keep_mask(width: int, p: float = 0.25) -> np.ndarray:
+    """Per-sample dropout: row i is drawn from sample i's seed, whatever batch it sits in."""
+    rows = [np.random.default_rng(s).random(width) >= p for s in mlxdist.tasks.sample_seeds()]
+    return np.stack(rows).astype(np.float32) / (1 - p)
+
+
+class RandomReads(Regression):
+    """The wrong way to augment: noise drawn from the global generator when read."""
+
+    def __getitem__(self, i: int):
+        s = super().__getitem__(i)
+        return {"x": s["x"] + np.random.normal(0, 0.05, 8).astype(np.float32), "y": s["y"]}
+
+
+def mlx_random(n: int = 256, augment: bool = False, dropout: bool = False, random_reads: bool = False,
+               unseeded_augment: bool = False, random_forward: bool = False, stateful: bool = False) -> mlxdist.Task:
+    """An MLX MLP with randomness: seeded the right way (`augment`: Task.augment; `dropout`:
+    per-sample dropout from sample_seeds()) or one of the wrong ways check_task names."""
+
+    def build(ctx):
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 3)
+                self.drop = nn.Dropout(0.25) if random_forward else None
+                self.seen = 0  # stateful: a warm-up factor by batches seen
+
+            def __call__(self, x):
+                h = nn.relu(self.l1(x))
+                if dropout and self.training:
+                    h = h * mx.array(keep_mask(16))
+                if self.drop is not None:
+                    h = self.drop(h)
+                out = self.l2(h)
+                if stateful:
+                    self.seen += 1
+                    out = out * (1.0 + 1.0 / self.seen)
+                return out
+
+        return Net()
+
+    def loss(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).sum()
+
+    aug = flip_and_jitter
+    if unseeded_augment:
+        def aug(sample, rng):
+            return flip_and_jitter(sample, np.random.default_rng())
+
+    return mlxdist.Task(build=build, loss=loss, dataset=RandomReads(n) if random_reads else Regression(n),
+                        eval_dataset=Regression(64, seed=1), augment=aug if augment or unseeded_augment else None)
+
+
+def torch_random(n: int = 256, dropout: bool = True, random_forward: bool = False) -> mlxdist.Task:
+    """The torch twin of mlx_random: per-sample dropout from sample_seeds(), or torch's own."""
+
+    def build(ctx):
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l1, self.l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+                self.drop = torch.nn.Dropout(0.25) if random_forward else torch.nn.Identity()
+
+            def forward(self, x):
+                h = torch.relu(self.l1(x))
+                if dropout and self.training:
+                    h = h * torch.as_tensor(keep_mask(16), device=h.device)
+                return self.l2(self.drop(h))
+
+        return Net()
+
+    def loss(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).sum()
+
+    return mlxdist.Task(build=build, loss=loss, dataset=Regression(n), augment=flip_and_jitter)

@@ -56,7 +56,9 @@ class TokenBatch:
 
 class BatchMaker:
     """Turns (stream position, plan, rank) into this rank's micro-batches for one step.
-    `make(indices)` collates dataset indices into one batch (the task's `make_batch`)."""
+    `make(indices)` collates dataset indices into one batch (the task's `make_batch`); the
+    indices are `StreamIndices` that carry their stream positions (each sample's key to its
+    augmentation and seeds) through the split and an out-of-memory re-split."""
 
     def __init__(self, make: Callable[[np.ndarray], Any], sampler: GlobalSampler, rank: int):
         self.make, self.sampler, self.rank = make, sampler, rank

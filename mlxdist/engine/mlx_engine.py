@@ -19,7 +19,7 @@ from mlx.utils import tree_unflatten
 
 from ..config import Config
 from ..models.build import built_from_task
-from ..tasks import Task, TaskContext, tree_map
+from ..tasks import Task, TaskContext, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens
@@ -94,7 +94,8 @@ class MLXEngine:
 
     def micro_step(self, batch) -> None:
         batch = as_batch(batch)
-        loss, grads = self._value_and_grad(self.params, self._arrays(batch.data))
+        with sample_seeds_of(batch):
+            loss, grads = self._value_and_grad(self.params, self._arrays(batch.data))
         if self._grads is None:
             self._grads = grads
         else:
@@ -139,7 +140,8 @@ class MLXEngine:
         batch = as_batch(batch)
         self.model.eval()
         try:
-            loss = self._loss(self.params, self._arrays(batch.data)).item()
+            with sample_seeds_of(batch):
+                loss = self._loss(self.params, self._arrays(batch.data)).item()
         finally:
             self.model.train()
         return loss, batch.count

@@ -31,7 +31,7 @@ import torch
 from ..config import Config
 from ..models.build import built_from_task
 from ..models.presets import ModelArgs
-from ..tasks import Batch, Task, TaskContext, tree_map
+from ..tasks import Batch, Task, TaskContext, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens
@@ -245,7 +245,7 @@ class TorchEngine:
 
     def _summed_loss(self, forward, batch: Batch) -> tuple[torch.Tensor, int]:
         data = tree_map(self._to_device, batch.data)
-        with self._autocast():
+        with self._autocast(), sample_seeds_of(batch):
             loss = self.task_loss(forward, data)
         return check_scalar(loss, self.task_name).float(), batch.count
 

@@ -11,13 +11,16 @@ The built-in language model (`tasks/lm.py`) is a Task like any other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..config import Config, ConfigError
+from ..data.sampler import StreamIndices, position_rng, position_seeds, stream_of
 
 
 class TaskError(ConfigError):
@@ -47,6 +50,10 @@ class Task:
       same on every host. `collate(samples)` makes a batch; default stacks each leaf.
     - `eval_dataset`: held-out loss with the same weighting. `unit`: shown in progress and
       metrics ("12.3k samples/s").
+    - `augment(sample, rng)`: random augmentation of each sample as it is read (training and
+      evaluation), drawing only from `rng`, a `numpy.random.Generator` seeded by (train.seed,
+      the sample's stream position): the same on every rank, in any split, after a resume.
+      Randomness in the model (dropout) draws from `sample_seeds()` inside `loss`.
     """
 
     build: Callable[[TaskContext], Any]
@@ -58,26 +65,61 @@ class Task:
     unit: str = "samples"
     name: str = field(default="task", repr=False)  # banner and messages: the factory's name
     data_summary: str | None = field(default=None, repr=False)  # banner line; default: its length
+    augment: Callable[[Any, np.random.Generator], Any] | None = None
 
     def make_batch(self, dataset: Any, indices) -> Batch:
-        """The collated batch of these dataset indices, counted once here in numpy."""
-        idx = [int(i) for i in indices]
-        data = (self.collate or default_collate)([dataset[i] for i in idx])
+        """The collated batch of these dataset indices, counted once here in numpy. Indices
+        from the sampler (`StreamIndices`) carry each sample's stream position, the key of its
+        `augment` rng and of its `Batch.seeds`; plain indices stand at positions equal to
+        themselves, seed 0."""
+        idx = stream_of(indices)
+        samples = [dataset[int(i)] for i in idx]
+        if self.augment is not None:
+            samples = [self.augment(s, position_rng(idx.seed, p, idx.stream))
+                       for s, p in zip(samples, idx.positions, strict=True)]
+        data = (self.collate or default_collate)(samples)
         n = (self.count or leading_size)(data)
-        return Batch(np.asarray(idx, np.int64), data, int(n))
+        return Batch(idx, data, int(n), position_seeds(idx.seed, idx.positions, idx.stream))
 
 
 @dataclass
 class Batch:
     """A collated micro-batch, the dataset indices it came from (an out-of-memory retry
-    re-collates them at a smaller size) and its unit count."""
+    re-collates them at a smaller size; from the sampler they carry their stream positions),
+    its unit count and one uint64 seed per sample (`sample_seeds()` during its loss)."""
 
     indices: np.ndarray
     data: Any
     count: int
+    seeds: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+_SEEDS: ContextVar[np.ndarray | None] = ContextVar("mlxdist_sample_seeds", default=None)
+
+
+def sample_seeds() -> np.ndarray:
+    """Inside a task's `loss`: the uint64 seeds of the micro-batch's samples, in batch order,
+    each a hash of (train.seed, the sample's stream position). Draw per-sample randomness from
+    them (`np.random.default_rng(seed)` per row) and it is the same whether the sample trains
+    on a rank with 3 or 5, in any micro-batch, after a resume."""
+    seeds = _SEEDS.get()
+    if seeds is None:
+        raise RuntimeError("mlxdist.tasks.sample_seeds() is only known inside the task's loss while mlxdist "
+                           "computes it, for batches made by Task.make_batch")
+    return seeds
+
+
+@contextmanager
+def sample_seeds_of(batch: Any) -> Iterator[None]:
+    """The engines' loss calls run inside this: `sample_seeds()` gives `batch.seeds`."""
+    token = _SEEDS.set(getattr(batch, "seeds", None))
+    try:
+        yield
+    finally:
+        _SEEDS.reset(token)
 
 
 def default_collate(samples: list) -> Any:
@@ -110,4 +152,5 @@ def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     return tree
 
 
-__all__ = ["Batch", "Task", "TaskContext", "TaskError", "default_collate", "leading_size", "tree_map"]
+__all__ = ["Batch", "StreamIndices", "Task", "TaskContext", "TaskError", "default_collate", "leading_size",
+           "sample_seeds", "sample_seeds_of", "tree_map"]

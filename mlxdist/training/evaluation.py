@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..cluster.world import World
 from ..config import TrainConfig
 from ..control.split import micro_batches
+from ..data.sampler import EVAL, StreamIndices
 from ..engine.base import Engine
 from ..tasks import Task
 
@@ -28,6 +29,7 @@ class Evaluator:
         batches = self.cfg.eval_batches or -(-n // b)  # 0: the whole set, each sample once
         for i in range(self.world.rank, batches, self.world.size):
             idx = [(i * b + j) % n for j in range(b)] if self.cfg.eval_batches else list(range(i * b, min(n, i * b + b)))
+            idx = StreamIndices(idx, range(i * b, i * b + len(idx)), self.cfg.seed, EVAL)  # window slots: augment keys
             offset = 0
             for size in micro_batches(len(idx), micro):
                 ls, count = engine.eval_loss(self.task.make_batch(data, idx[offset : offset + size]))
