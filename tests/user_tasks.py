@@ -247,3 +247,18 @@ def torch_random(n: int = 256, dropout: bool = True, random_forward: bool = Fals
         return ((model(batch["x"]) - batch["y"]) ** 2).sum()
 
     return mlxdist.Task(build=build, loss=loss, dataset=Regression(n), augment=flip_and_jitter)
+
+
+def torch_batchnorm(n: int = 256) -> mlxdist.Task:
+    """A torch MLP with BatchNorm1d: running statistics and a batch counter are buffers."""
+
+    def build(ctx):
+        import torch
+
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 3))
+
+    def loss(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).sum()
+
+    return mlxdist.Task(build=build, loss=loss, dataset=Regression(n))

@@ -163,6 +163,21 @@ class World:
             self.comm.Allreduce(buf, out, op=MPI.SUM)
         return out.tolist()
 
+    def allreduce_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Float64 sums of a few small named arrays over all ranks (the same names on each)."""
+        if self.comm is None:
+            return {n: np.asarray(a, np.float64) for n, a in arrays.items()}
+        from mpi4py import MPI
+
+        out = {}
+        with self.watch("state all-reduce"):
+            for name in sorted(arrays):
+                buf = np.ascontiguousarray(arrays[name], np.float64)
+                total = np.empty_like(buf)
+                self.comm.Allreduce(buf, total, op=MPI.SUM)
+                out[name] = total.reshape(np.shape(arrays[name]))
+        return out
+
     def broadcast_arrays(self, arrays: dict[str, np.ndarray], root: int = 0) -> dict[str, np.ndarray]:
         """`root`'s named arrays on every rank, as raw buffers (a model-sized pickle would
         cost a copy and its memory twice over)."""
@@ -175,7 +190,7 @@ class World:
             for name, (shape, dtype) in layout.items():
                 buf = np.ascontiguousarray(arrays[name]) if self.rank == root else np.empty(shape, np.dtype(dtype))
                 self.comm.Bcast(buf, root=root)
-                out[name] = buf
+                out[name] = buf.reshape(shape)  # ascontiguousarray makes a 0-d array 1-d
         return out
 
     def barrier(self, what: str = "barrier", patience: float = 1.0) -> None:

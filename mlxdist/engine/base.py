@@ -98,6 +98,22 @@ class Engine(Protocol):
     def save_adapter(self, out_dir: Path) -> Path | None:
         """A fine-tune's adapter in PEFT's layout; None when the whole model trained."""
 
+    # -- the rest of a task's model state (buffers, frozen weights); empty for the built-in LM
+    trained_names: list[str]
+
+    def state_names(self) -> list[str]: ...
+
+    def get_state(self, names=None) -> dict[str, np.ndarray]:
+        """Copies in each entry's own dtype (bf16 as fp32), all or the named ones."""
+
+    def set_state(self, state: dict[str, np.ndarray]) -> None:
+        """Overwrite the named entries (any subset); marks them as the agreed state."""
+
+    def changed_state(self) -> list[str]:
+        """Entries written since they were last agreed on (`set_state`/`mark_state`)."""
+
+    def mark_state(self) -> None: ...
+
     # -- machine -------------------------------------------------------------------
     def memory(self) -> MemoryReading:
         """Bytes in use, peak since `reset_peak`, and the limit to stay under."""
@@ -117,6 +133,17 @@ def local_step(engine: Engine, lr: float) -> StepStats:
     stats = engine.apply_gradients(g.arrays, g.loss_sum, g.count, lr)
     stats.local = True
     return stats
+
+
+def set_model(engine: Engine, arrays: dict[str, np.ndarray]) -> list[str]:
+    """A checkpoint's model (trained parameters and the rest of the state) into the engine;
+    returns the state entries it lacked (written before buffers were saved), kept as built."""
+    trained = set(engine.trained_names)
+    engine.set_weights({n: a for n, a in arrays.items() if n in trained})
+    rest = {n: a for n, a in arrays.items() if n not in trained}
+    if rest:
+        engine.set_state(rest)
+    return sorted(set(engine.state_names()) - set(rest))
 
 
 def nothing_to_learn(loss_sum: float) -> StepStats:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import Config
 from ..models.build import built_from_task
@@ -43,7 +43,9 @@ class MLXEngine:
                                 task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
+        self.whole_state = built.whole_state
         self.names = sorted(built.params)
+        self.trained_names = self.names
         self.params: dict[str, mx.array] = {k: v.astype(mx.float32) for k, v in built.params.items()}
         self.m = {k: mx.zeros_like(v) for k, v in self.params.items()}
         self.v = {k: mx.zeros_like(v) for k, v in self.params.items()}
@@ -52,6 +54,7 @@ class MLXEngine:
         self._value_and_grad = mx.value_and_grad(self._loss)
         self._adamw = mx.compile(self._adamw_update)
         self._reset_accumulators()
+        self.mark_state()
 
     # -- math -------------------------------------------------------------------------
     def _forward(self, params: dict[str, mx.array], inputs: mx.array) -> mx.array:
@@ -102,7 +105,7 @@ class MLXEngine:
             self._grads = {k: self._grads[k] + grads[k] for k in grads}
         self._loss_sum = self._loss_sum + loss
         self._tokens += batch.count
-        mx.eval(self._grads, self._loss_sum)
+        mx.eval(self._grads, self._loss_sum, self._state_arrays())  # BatchNorm's new statistics too
 
     def take_gradients(self) -> LocalGradients:
         if self._grads is None:
@@ -176,6 +179,38 @@ class MLXEngine:
 
     def weight_checksum(self) -> int:
         return checksum(np.array(self.params[n]) for n in self.names)
+
+    # -- the rest of the model's state: a task's non-trainable parameters (BatchNorm's
+    # running statistics, frozen weights) --------------------------------------------
+    def _state_arrays(self) -> dict[str, mx.array]:
+        if not self.whole_state:
+            return {}
+        trained = set(self.names)
+        return {n: a for n, a in tree_flatten(self.model.parameters()) if n not in trained}
+
+    def get_state(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        arrays = self._state_arrays()
+        return {n: np.array(arrays[n].astype(mx.float32) if arrays[n].dtype == mx.bfloat16 else arrays[n])
+                for n in (arrays if names is None else names)}
+
+    def set_state(self, state: dict[str, np.ndarray]) -> None:
+        arrays = self._state_arrays()
+        check_weights({n: tuple(a.shape) for n, a in arrays.items() if n in state}, state)
+        self.model.update(tree_unflatten([(n, mx.array(np.asarray(v)).astype(arrays[n].dtype))
+                                          for n, v in state.items()]))
+        mx.eval(self.model.parameters())
+        self.mark_state()
+
+    def state_names(self) -> list[str]:
+        return list(self._state_arrays())
+
+    def changed_state(self) -> list[str]:
+        """Names whose array was replaced since `mark_state`: MLX arrays are immutable, so a
+        module that updates its state (BatchNorm in training) puts a new one in its place."""
+        return [n for n, a in self._state_arrays().items() if self._marks.get(n) is not a]
+
+    def mark_state(self) -> None:
+        self._marks = self._state_arrays()  # holding them keeps an id from being reused
 
     def save_adapter(self, out_dir: Path) -> Path | None:
         """The trained adapter in PEFT's layout (None when the whole model trained)."""

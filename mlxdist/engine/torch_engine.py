@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +139,12 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float32).numpy().copy()
 
 
+def _state_numpy(t: torch.Tensor) -> np.ndarray:
+    """A copy in the tensor's own dtype (ints stay ints); bf16, which numpy lacks, as fp32."""
+    t = t.detach().to("cpu")
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
+
+
 def _flipped(name: str) -> bool:
     """PEFT stores LoRA factors transposed to mlx-lm's layout; checkpoints use mlx-lm's, so
     a LoRA checkpoint moves between engines as it is."""
@@ -178,8 +184,10 @@ class TorchEngine:
         built = built_from_task(task.build(ctx), "torch", self.dev, task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
+        self.whole_state = built.whole_state
         self.model.train()
         self._names = sorted(built.params)
+        self.trained_names = self._names
         self._params = [built.params[n] for n in self._names]
 
         self.compiled, self.compile_reason = compile_enabled(self.device)
@@ -223,6 +231,7 @@ class TorchEngine:
         self.notes = [n for n in [slow_autocast_note(self.device_type, self.dtype_name)] if n]
         self._hooked, self._on_ready = False, None
         self.last_skip_overflow = False
+        self.mark_state()
         self._reset_accumulators()
 
     # ---------------------------------------------------------------- helpers
@@ -276,6 +285,41 @@ class TorchEngine:
         with torch.no_grad():
             for name, p in zip(self._names, self._params, strict=True):
                 p.copy_(torch.from_numpy(_ours(name, np.asarray(weights[name], dtype=np.float32))))
+
+    # -- the rest of the model's state: a task's buffers and frozen weights ------------
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        if not self.whole_state:
+            return {}
+        trained = set(self._names)
+        return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if n not in trained}
+
+    def get_state(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        tensors = self._state_tensors()
+        return {n: _state_numpy(tensors[n]) for n in (tensors if names is None else names)}
+
+    def set_state(self, state: dict[str, np.ndarray]) -> None:
+        tensors = self._state_tensors()
+        check_weights({n: tuple(t.shape) for n, t in tensors.items() if n in state}, state)
+        with torch.no_grad():
+            for n, value in state.items():
+                tensors[n].copy_(torch.from_numpy(np.asarray(value)).to(tensors[n].dtype))
+        self.mark_state()
+
+    def state_names(self) -> list[str]:
+        return list(self._state_tensors())
+
+    def changed_state(self) -> list[str]:
+        """Names of state entries written since `mark_state`. An in-place write from Python
+        bumps a tensor's version; BatchNorm's kernel updates its running statistics without
+        one, so buffers (small) are compared with a copy of their agreed values."""
+        return [n for n, t in self._state_tensors().items()
+                if self._marks.get(n) != (t._version, t.data_ptr())
+                or (n in self._agreed and not torch.equal(t, self._agreed[n]))]
+
+    def mark_state(self) -> None:
+        tensors = self._state_tensors()
+        self._marks = {n: (t._version, t.data_ptr()) for n, t in tensors.items()}
+        self._agreed = {n: t.detach().clone() for n, t in self.model.named_buffers() if n in tensors}
 
     def save_adapter(self, out_dir: Path) -> Path | None:
         """The trained adapter in PEFT's own layout (None when the whole model trained)."""

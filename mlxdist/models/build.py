@@ -23,6 +23,10 @@ class BuiltModel:
     summary: str  # one banner line
     fingerprint: str | None = None  # of a pretrained base; every rank must train the same one
     base: Any = None  # models.pretrained.PretrainedInfo of that base
+    # A task's own module: its whole state (buffers, frozen weights) is saved beside the trained
+    # parameters so a checkpoint loads strictly into the user's class. The built-in LM's frozen
+    # base is fingerprinted instead (`fingerprint`), not written into every checkpoint.
+    whole_state: bool = False
 
 
 def inspect_base(cfg: Config):
@@ -163,6 +167,8 @@ def built_from_task(obj: Any, engine: str, device: Any, name: str) -> BuiltModel
         everything = dict(tree_flatten(obj.parameters()))
         total = sum(v.size for v in everything.values())
         frozen = {n: v.astype(mx.float32) for n, v in everything.items() if n not in params}  # numpy has no bf16
+        kept = f"; {human(sum(v.size for v in frozen.values()))} not trained by gradients (running statistics, " \
+               "frozen weights): saved, equal on every rank" if frozen else ""
     else:
         import torch
 
@@ -174,12 +180,15 @@ def built_from_task(obj: Any, engine: str, device: Any, name: str) -> BuiltModel
         params = {n: p for n, p in obj.named_parameters() if p.requires_grad}
         total = sum(p.numel() for p in obj.parameters())
         frozen = {n: p.detach().float().cpu() for n, p in obj.named_parameters() if not p.requires_grad}
+        buffers = list(obj.state_dict().keys() - dict(obj.named_parameters()).keys())
+        kept = f"; {len(buffers)} buffers ({human(sum(obj.get_buffer(n).numel() for n in buffers))} values): " \
+               "saved, equal on every rank" if buffers else ""
     if not params:
         raise ConfigError(f"task {name}: the model has no trainable parameters")
     trained = sum(int(getattr(v, "size", 0) if engine == "mlx" else v.numel()) for v in params.values())
     summary = f"model: {type(obj).__name__} from task {name}, {human(total)} parameters" + (
-        ", all trained" if trained == total else f", {human(trained)} trained")
-    return BuiltModel(obj, params, total, 0, summary, _frozen_fingerprint(frozen))
+        ", all trained" if trained == total else f", {human(trained)} trained") + kept
+    return BuiltModel(obj, params, total, 0, summary, _frozen_fingerprint(frozen), whole_state=True)
 
 
 def _frozen_fingerprint(frozen: dict[str, Any]) -> str | None:

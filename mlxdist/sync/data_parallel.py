@@ -11,12 +11,14 @@ import numpy as np
 from ..cluster.world import World
 from ..control.plan import Decision
 from ..engine.base import Engine, StepStats
+from .model_state import StateSync
 
 
 class DataParallel:
     def __init__(self, world: World, reducer):
         self.world, self.reducer = world, reducer
         self.drift_check = world.size > 1
+        self.state_sync = StateSync(world)
 
     def describe(self) -> str | None:
         return None
@@ -30,6 +32,7 @@ class DataParallel:
         grads, sync = self.reducer.all_sum(local.arrays)
         loss_sum, count = self.world.allreduce_sum([local.loss_sum, local.count])
         stats = engine.apply_gradients(grads, loss_sum, int(count), lr)
+        self.state_sync(engine, local.count)
         stats.sync_seconds, stats.sync_bytes, stats.sync_overlapped = sync.seconds, sync.bytes, sync.overlapped
         return stats
 

@@ -35,6 +35,7 @@ from ..state import rank_state
 from .comm import allgather_from_comm, allreduce_from_comm
 from .diloco import DiLoCo, OuterStats
 from .fragments import TimeBox
+from .model_state import StateSync
 from .overlap import OverlappedSync
 
 
@@ -54,6 +55,9 @@ class DiLoCoStrategy:
         self._rollback_wanted = False
         self._working = True
         self._last = StepStats(0.0, 0, 0.0, False, local=True)
+        # Buffers (running statistics) are agreed once a round, when the round closes, weighted
+        # by each rank's samples in it; between rounds each rank keeps its own, as its weights.
+        self.state_sync, self._round_samples = StateSync(world), 0
 
     def describe(self) -> str:
         return describe(self.dist)
@@ -94,8 +98,11 @@ class DiLoCoStrategy:
     def after_step(self, engine: Engine, step: int, samples: int, last: bool) -> list[Decision]:
         worked = self._working
         stats, closed = self.outer.after_step(engine, samples if worked else 0, int(worked), last)
+        self._round_samples += samples if worked else 0
         events = [self._event(step, s) for s in stats]
         if closed is not None:
+            self.state_sync(engine, self._round_samples)
+            self._round_samples = 0
             events.append(self._close_round(step, *closed))
         if self.box is not None:
             self.box.step_done(synced=bool(events))

@@ -69,7 +69,8 @@ class SyncStrategy(Protocol):
 
 
 def share_state(world: World, engine: Engine, root: int = 0) -> None:
-    """Make weights, moments and the update count on every rank equal `root`'s: at the start
+    """Make weights, the rest of the model's state (buffers), moments and the update count on
+    every rank equal `root`'s: at the start
     of a run (a model initialised without a seed differs per rank), after a restore, and to
     repair drift."""
     if world.size == 1:
@@ -77,8 +78,10 @@ def share_state(world: World, engine: Engine, root: int = 0) -> None:
     opt, opt_step = engine.get_optimizer_state()
     weights = world.broadcast_arrays(engine.get_weights(), root)
     opt = world.broadcast_arrays(opt, root)
+    state = world.broadcast_arrays(engine.get_state(), root)
     engine.set_weights(weights)
     engine.set_optimizer_state(opt, world.bcast(opt_step, root))
+    engine.set_state(state)
 
 
 def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str]) -> SyncStrategy:
