@@ -262,3 +262,35 @@ def torch_batchnorm(n: int = 256) -> mlxdist.Task:
         return ((model(batch["x"]) - batch["y"]) ** 2).sum()
 
     return mlxdist.Task(build=build, loss=loss, dataset=Regression(n))
+
+
+def torch_own_optimizer(n: int = 256, raises: bool = False, not_one: bool = False) -> mlxdist.Task:
+    """The task's own optimizer: SGD with momentum, two parameter groups with their own
+    learning rate and weight decay (decay on everything, biases too)."""
+    task = torch_mlp(n)
+
+    def optimizer(model):
+        import torch
+
+        if raises:
+            raise KeyError("lr_head")
+        if not_one:
+            return {"sgd": 1}
+        return torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.05},
+                                {"params": model[2].parameters(), "lr": 0.02,
+                                 "weight_decay": 0.1}], momentum=0.9)
+
+    task.optimizer = optimizer
+    return task
+
+
+def mlx_own_optimizer(n: int = 256) -> mlxdist.Task:
+    task = mlx_mlp(n)
+
+    def optimizer(model):
+        import mlx.optimizers as optim
+
+        return optim.SGD(learning_rate=0.05, momentum=0.9, weight_decay=0.01)
+
+    task.optimizer = optimizer
+    return task

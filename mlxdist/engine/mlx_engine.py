@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import Config
 from ..models.build import built_from_task
-from ..tasks import Task, TaskContext, sample_seeds_of, tree_map
+from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens
@@ -53,8 +53,31 @@ class MLXEngine:
         self._decay = [decays(self.params[n].shape) for n in self.names]
         self._value_and_grad = mx.value_and_grad(self._loss)
         self._adamw = mx.compile(self._adamw_update)
+        self.own_optimizer = self._make_optimizer(task)
         self._reset_accumulators()
         self.mark_state()
+
+    def _make_optimizer(self, task: Task):
+        """The task's own `mlx.optimizers.Optimizer`, initialised on the trained parameters,
+        or None for mlxdist's AdamW."""
+        if task.optimizer is None:
+            return None
+        import mlx.optimizers as optim
+
+        try:
+            opt = task.optimizer(self.model)
+        except Exception as e:
+            raise TaskError(f"task {task.name}: optimizer(model) raised {type(e).__name__}: {e}") from None
+        if not isinstance(opt, optim.Optimizer):
+            raise TaskError(f"task {task.name}: optimizer(model) returned {type(opt).__name__}, not an "
+                            "mlx.optimizers.Optimizer (for several, mlx.optimizers.MultiOptimizer)")
+        if callable(opt.learning_rate) and not isinstance(opt.learning_rate, mx.array):
+            raise TaskError(f"task {task.name}: the optimizer has its own learning-rate schedule; give it a number "
+                            "and set train.schedule / train.lr, which scale it each step")
+        opt.init(tree_unflatten(list(self.params.items())))
+        self._base_lr = float(opt.learning_rate)
+        self.m, self.v = {}, {}  # AdamW's moments: not used
+        return opt
 
     # -- math -------------------------------------------------------------------------
     def _forward(self, params: dict[str, mx.array], inputs: mx.array) -> mx.array:
@@ -125,6 +148,8 @@ class MLXEngine:
             return stats
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+        if self.own_optimizer is not None:
+            return self._own_update(grads, coef, lr, stats)
         t = self.opt_step + 1
         scalars = mx.array([lr, 1 - self.cfg.train.beta1**t, 1 - self.cfg.train.beta2**t, coef])
         p, m, v = self._adamw([self.params[n] for n in self.names], [self.m[n] for n in self.names],
@@ -134,6 +159,16 @@ class MLXEngine:
         self.v = dict(zip(self.names, v, strict=True))
         mx.eval(self.params, self.m, self.v)
         self.opt_step = t
+        return stats
+
+    def _own_update(self, grads: list[mx.array], coef: float, lr: float, stats: StepStats) -> StepStats:
+        opt = self.own_optimizer
+        opt.learning_rate = self._base_lr * (lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 0.0)
+        new = opt.apply_gradients(tree_unflatten([(n, g * coef) for n, g in zip(self.names, grads, strict=True)]),
+                                  tree_unflatten(list(self.params.items())))
+        self.params = {n: a for n, a in tree_flatten(new) if n in self.params}
+        mx.eval(self.params, opt.state)
+        self.opt_step += 1
         return stats
 
     def discard_gradients(self) -> None:
@@ -168,11 +203,18 @@ class MLXEngine:
         mx.eval(self.params)
 
     def get_optimizer_state(self) -> tuple[dict[str, np.ndarray], int]:
+        if self.own_optimizer is not None:  # the task's own: its state tree, flattened
+            return {f"opt0.{k}": np.array(v) for k, v in tree_flatten(self.own_optimizer.state)}, self.opt_step
         state = {f"m.{k}": np.array(v) for k, v in self.m.items()}
         state |= {f"v.{k}": np.array(v) for k, v in self.v.items()}
         return state, self.opt_step
 
     def set_optimizer_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        if self.own_optimizer is not None:
+            mine = [(k[len("opt0."):], mx.array(v)) for k, v in state.items() if k.startswith("opt0.")]
+            self.own_optimizer.state = tree_unflatten(mine)
+            self.opt_step = int(step)
+            return
         self.m = {n: mx.array(state[f"m.{n}"]) for n in self.names}
         self.v = {n: mx.array(state[f"v.{n}"]) for n in self.names}
         self.opt_step = int(step)
@@ -240,4 +282,6 @@ class MLXEngine:
     def describe(self) -> str:
         from ..blas import status
 
-        return f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}; {self._limit()[1]}"
+        opt = f"; optimizer {type(self.own_optimizer).__name__} (the task's)" if self.own_optimizer is not None else ""
+        return (f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}; "
+                f"{self._limit()[1]}{opt}")

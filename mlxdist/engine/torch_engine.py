@@ -31,7 +31,7 @@ import torch
 from ..config import Config
 from ..models.build import built_from_task
 from ..models.presets import ModelArgs
-from ..tasks import Batch, Task, TaskContext, sample_seeds_of, tree_map
+from ..tasks import Batch, Task, TaskContext, TaskError, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens
@@ -159,6 +159,7 @@ class TorchEngine:
     """Engine protocol (`engine/base.py`) on one torch device."""
 
     name = "torch"
+    notes_extra: list[str] = []
 
     def __init__(self, cfg: Config, device: str = "auto", args: ModelArgs | None = None, task: Task | None = None,
                  local_rank: int = 0):
@@ -195,20 +196,11 @@ class TorchEngine:
         # variable-length sampling never triggers recompiles.
         self._forward = torch.compile(self.model) if self.compiled else self.model
 
-        decay = [p for p in self._params if decays(tuple(p.shape))]
-        no_decay = [p for p in self._params if not decays(tuple(p.shape))]
-        t = cfg.train
         self.fused = self.device_type == "cuda"
-        self.opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": t.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=t.lr,
-            betas=(t.beta1, t.beta2),
-            eps=t.eps,
-            fused=self.fused or None,
-        )
+        self.optimizers, self.own_optimizer = self._make_optimizers(task), task.optimizer is not None
+        # Each group's learning rate as built: the schedule scales it by schedule(step) / train.lr.
+        self._base_lrs = [[g["lr"] for g in o.param_groups] for o in self.optimizers]
+        self._updates = 0
 
         self.scaler: torch.amp.GradScaler | None = None
         if self.amp_dtype == torch.float16:
@@ -228,13 +220,39 @@ class TorchEngine:
                 ) from None
         self._scaler_ready = False
         # Lines the loop prints after the banner (training/loop.py: engine.notes).
-        self.notes = [n for n in [slow_autocast_note(self.device_type, self.dtype_name)] if n]
+        self.notes = [n for n in [slow_autocast_note(self.device_type, self.dtype_name)] if n] + self.notes_extra
         self._hooked, self._on_ready = False, None
         self.last_skip_overflow = False
         self.mark_state()
         self._reset_accumulators()
 
     # ---------------------------------------------------------------- helpers
+    def _make_optimizers(self, task: Task) -> list[torch.optim.Optimizer]:
+        """mlxdist's AdamW (decoupled decay on >= 2-D parameters, as the MLX engine), or the
+        task's own."""
+        t = self.cfg.train
+        if task.optimizer is None:
+            decay = [p for p in self._params if decays(tuple(p.shape))]
+            no_decay = [p for p in self._params if not decays(tuple(p.shape))]
+            return [torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=self.fused or None)]
+        try:
+            made = task.optimizer(self.model)
+        except Exception as e:
+            raise TaskError(f"task {task.name}: optimizer(model) raised {type(e).__name__}: {e}") from None
+        opts = list(made) if isinstance(made, (list, tuple)) else [made]
+        for o in opts:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TaskError(f"task {task.name}: optimizer(model) returned {type(o).__name__}, not a "
+                                "torch.optim.Optimizer (or a list of them)")
+        covered = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
+        idle = [n for n, p in zip(self._names, self._params, strict=True) if id(p) not in covered]
+        if idle:
+            self.notes_extra = [f"note: task {task.name}: {len(idle)} parameter(s) get gradients but no optimizer of "
+                                f"the task updates them ({', '.join(idle[:3])}{' ...' if len(idle) > 3 else ''})"]
+        return opts
+
 
     def _reset_accumulators(self) -> None:
         self._loss_sum = torch.zeros((), device=self.dev, dtype=torch.float32)
@@ -271,8 +289,13 @@ class TorchEngine:
         return (
             f"torch {torch.__version__} on {self.device} ({self.device_reason}); "
             f"dtype {amp}, fp32 master weights; compile {comp}; tf32 {tf32}; "
-            f"AdamW{' fused' if self.fused else ''}"
+            + (f"optimizer {self._describe_optimizers()} (the task's)" if self.own_optimizer
+               else f"AdamW{' fused' if self.fused else ''}")
         )
+
+    def _describe_optimizers(self) -> str:
+        return ", ".join(f"{type(o).__name__} ({len(o.param_groups)} group{'s' * (len(o.param_groups) > 1)})"
+                         for o in self.optimizers)
 
     def get_weights(self) -> dict[str, np.ndarray]:
         # Copies: on the CPU `.numpy()` would alias the live parameters, and a checkpoint
@@ -349,10 +372,15 @@ class TorchEngine:
         return t.reshape(like.shape).contiguous()
 
     def get_optimizer_state(self) -> tuple[dict[str, np.ndarray], int]:
+        """mlxdist's AdamW as `m.<param>` / `v.<param>` (the MLX engine's names, so the two load
+        each other's checkpoints); a task's own optimizers as `opt<i>.<param>.<key>`."""
+        if self.own_optimizer:
+            return self._own_optimizer_state(), self._updates
         out: dict[str, np.ndarray] = {}
         step = 0
+        opt = self.optimizers[0]
         for name, p in zip(self._names, self._params, strict=True):
-            st = self.opt.state.get(p, {})
+            st = opt.state.get(p, {})
             if "exp_avg" in st:
                 out[f"m.{name}"] = _ours(name, _to_numpy(st["exp_avg"]))
                 out[f"v.{name}"] = _ours(name, _to_numpy(st["exp_avg_sq"]))
@@ -362,21 +390,56 @@ class TorchEngine:
                 out[f"v.{name}"] = _ours(name, np.zeros(tuple(p.shape), np.float32))
         return out, step
 
+    def _param_names(self) -> dict[int, str]:
+        return {id(t): n for n, t in self.model.state_dict(keep_vars=True).items()}
+
+    def _own_optimizer_state(self) -> dict[str, np.ndarray]:
+        names, out = self._param_names(), {}
+        for i, opt in enumerate(self.optimizers):
+            for p, st in opt.state.items():
+                for key, value in st.items():
+                    out[f"opt{i}.{names.get(id(p), id(p))}.{key}"] = (
+                        _state_numpy(value) if torch.is_tensor(value) else np.asarray(value))
+        return out
+
     def set_optimizer_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        if self.own_optimizer:
+            self._set_own_optimizer_state(state)
+            self._updates = int(step)
+            return
         missing = [n for n in self._names if f"m.{n}" not in state or f"v.{n}" not in state]
         if missing:
             raise ValueError(f"set_optimizer_state: no moments for {missing[:5]}")
+        opt = self.optimizers[0]
         for name, p in zip(self._names, self._params, strict=True):
             # torch keeps `step` as a float tensor: on the device for fused/capturable AdamW,
             # on the CPU otherwise (it reads it with .item() for the bias correction).
             step_t = torch.tensor(
                 float(step), dtype=torch.float32, device=self.dev if self.fused else "cpu"
             )
-            self.opt.state[p] = {
+            opt.state[p] = {
                 "step": step_t,
                 "exp_avg": self._from_numpy(_ours(name, state[f"m.{name}"]), p),
                 "exp_avg_sq": self._from_numpy(_ours(name, state[f"v.{name}"]), p),
             }
+
+    def _set_own_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        tensors = self.model.state_dict(keep_vars=True)
+        for i, opt in enumerate(self.optimizers):
+            prefix = f"opt{i}."
+            mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            opt.state.clear()
+            for key, value in mine.items():
+                name, field = key.rsplit(".", 1)
+                p = tensors.get(name)
+                if p is None:
+                    raise ValueError(f"optimizer state for {name!r}, which the model does not have")
+                like = opt.state[p].get(field) if p in opt.state else None
+                v = torch.from_numpy(np.array(value))
+                # torch's optimizers keep `step` on the CPU; moments live with their parameter.
+                opt.state[p][field] = v if field == "step" else v.to(p.device, like.dtype if like is not None
+                                                                         else (p.dtype if v.is_floating_point()
+                                                                               else v.dtype))
 
     def micro_step(self, batch) -> None:
         loss, n = self._summed_loss(self._forward, as_batch(batch))
@@ -408,7 +471,7 @@ class TorchEngine:
 
     def apply_gradients(self, grads: list[torch.Tensor], loss_sum: float, count: int, lr: float) -> StepStats:
         if count <= 0:
-            self.opt.zero_grad(set_to_none=True)
+            self._zero_grad()
             return nothing_to_learn(loss_sum)
         with torch.no_grad():
             for p, g in zip(self._params, grads, strict=True):
@@ -416,7 +479,8 @@ class TorchEngine:
                     p.grad = g.to(p.device).reshape(p.shape)
         grads = [p.grad for p in self._params if p.grad is not None]
         if self.scaler is not None:
-            self.scaler.unscale_(self.opt)
+            for opt in self.optimizers:
+                self.scaler.unscale_(opt)
         torch._foreach_mul_(grads, 1.0 / max(count, 1))
         grad_norm = float(torch.nn.utils.get_total_norm(grads, 2.0))
         finite = np.isfinite(loss_sum) and np.isfinite(grad_norm)
@@ -425,25 +489,33 @@ class TorchEngine:
             clip = self.cfg.train.grad_clip
             if clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(self._params, clip, torch.tensor(grad_norm))
-            for group in self.opt.param_groups:
-                group["lr"] = lr
+            scale = lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 0.0
+            for opt, base in zip(self.optimizers, self._base_lrs, strict=True):
+                for group, group_lr in zip(opt.param_groups, base, strict=True):
+                    group["lr"] = group_lr * scale
+                if self.scaler is not None:
+                    self.scaler.step(opt)
+                else:
+                    opt.step()
             if self.scaler is not None:
-                self.scaler.step(self.opt)
                 self.scaler.update()
-            else:
-                self.opt.step()
+            self._updates += 1
         elif self.scaler is not None:
             # An fp16 overflow mostly means the loss scale is too high: shrink it and tell
             # the loop (via last_skip_overflow) that the model itself is probably fine.
             self.last_skip_overflow = np.isfinite(loss_sum)
             self.scaler.update()
-        self.opt.zero_grad(set_to_none=True)
+        self._zero_grad()
         return StepStats(loss_sum=loss_sum, tokens=count, grad_norm=grad_norm, skipped=not finite)
+
+    def _zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None
 
     def discard_gradients(self) -> None:
         """Drop a half-accumulated step (after an out-of-memory), keeping weights and moments."""
         self._on_ready = None  # the retry's early micro-batches must not look final
-        self.opt.zero_grad(set_to_none=True)
+        self._zero_grad()
         self._reset_accumulators()
 
     # -- overlap: a sync strategy may start sending gradients while backward still runs ----

@@ -50,6 +50,11 @@ class Task:
       same on every host. `collate(samples)` makes a batch; default stacks each leaf.
     - `eval_dataset`: held-out loss with the same weighting. `unit`: shown in progress and
       metrics ("12.3k samples/s").
+    - `optimizer(model)`: the task's own optimizer (a `torch.optim.Optimizer`, or a list of
+      them; an `mlx.optimizers.Optimizer`) with its own parameter groups and hyperparameters,
+      instead of mlxdist's AdamW. Gradients are still summed over ranks and divided by the
+      units first, clipped by `train.grad_clip`; the schedule scales each group's own learning
+      rate by schedule(step) / train.lr; its state is checkpointed and broadcast from rank 0.
     - `augment(sample, rng)`: random augmentation of each sample as it is read (training and
       evaluation), drawing only from `rng`, a `numpy.random.Generator` seeded by (train.seed,
       the sample's stream position): the same on every rank, in any split, after a resume.
@@ -62,6 +67,7 @@ class Task:
     count: Callable[[Any], int] | None = None
     collate: Callable[[list], Any] | None = None
     eval_dataset: Any = None
+    optimizer: Callable[[Any], Any] | None = None
     unit: str = "samples"
     name: str = field(default="task", repr=False)  # banner and messages: the factory's name
     data_summary: str | None = field(default=None, repr=False)  # banner line; default: its length
