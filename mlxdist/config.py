@@ -88,7 +88,7 @@ class DataConfig:
 class TrainConfig:
     """Optimisation and the run's cadence."""
 
-    steps: int = field(default=500, metadata=_range(1))
+    steps: int = field(default=250, metadata=_range(1))
     batch_size: int = field(default=16, metadata=_range(1))
     accum: int = field(default=1, metadata=_range(1))
     global_batch: int | None = field(default=None, metadata=_range(1))

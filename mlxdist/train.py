@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", choices=ENGINES, default="mlx", help="what does the math (default mlx)")
     p.add_argument("--device", default="auto", help="torch engine: auto|cuda|mps|cpu")
     p.add_argument("--resume", help="shortcut for checkpoint.resume=VALUE (auto, none or a checkpoint dir)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="shortcut for checkpoint.overwrite=true: a fresh run into a train.out_dir that holds another "
+                        "run's checkpoints deletes them (and its logs) instead of stopping")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (defaults <- --config <- overrides) as YAML and exit")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE overrides (keys listed below)")
@@ -42,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    overrides = list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    overrides = (list(args.overrides) + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+                 + (["checkpoint.overwrite=true"] if args.overwrite else []))
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
@@ -86,8 +90,9 @@ def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int
         return train(cfg, engine, device, task)
     except Exception as e:  # noqa: BLE001 - one line for the user, traceback on request
         expected = isinstance(e, (ConfigError, RuntimeError, ValueError, OSError))
-        print(f"error: {e}" if expected else f"error: {type(e).__name__}: {e} "
-              "(set MLXDIST_DEBUG=1 for the traceback)", file=sys.stderr)
+        if not getattr(e, "quiet", False):  # raised by every rank, said by rank 0
+            print(f"error: {e}" if expected else f"error: {type(e).__name__}: {e} "
+                  "(set MLXDIST_DEBUG=1 for the traceback)", file=sys.stderr)
         if os.environ.get("MLXDIST_DEBUG"):
             traceback.print_exc()
         if not getattr(e, "all_ranks", False):  # raised by every rank together: nobody waits

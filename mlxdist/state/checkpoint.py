@@ -4,8 +4,12 @@ Layout of one checkpoint, `<dir>/step_00001200/`:
   model.safetensors          fp32 weights by parameter name (shared by both engines)
   optimizer.safetensors      AdamW moments `m.<name>`, `v.<name>`
   sync.safetensors           the sync strategy's shared arrays (DiLoCo's outer momentum), if any
-  state.json                 step, sampler position, controllers, resolved config
-  manifest.json              sha256 and size of each file above; written last
+  state.json                 step, sampler position, run id, controllers, resolved config
+  manifest.json              sha256 and size of each file above, and the run id; written last
+
+Every run has an id (`run_id`, made when a fresh run starts and kept across resumes and elastic
+restarts): retention and rollback touch only their own run's checkpoints, and a fresh run
+does not start into a folder that holds another run's (`checkpointer.py`).
 
 The array files are plain safetensors, not compressed: zstd (level 3) saved only 7-8% of
 trained fp32 weights and AdamW moments while making a save 2.6-7.5x and a load 1.5-3x
@@ -23,8 +27,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -127,6 +133,7 @@ class RunState:
     plateau_scale: float = 1.0  # lowered by reduce-on-plateau
     eval_loss: float | None = None
     best_eval: float | None = None
+    run_id: str | None = None  # made by a fresh run, taken over from the checkpoint by a resume
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -203,7 +210,7 @@ def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optim
             write_arrays(tmp / names[-1], arrays)
     names.append("state.json")
     write_synced(tmp / "state.json", json.dumps(state, indent=1, default=float).encode())
-    manifest = {"step": step, "created": time.time(),
+    manifest = {"step": step, "created": time.time(), "run_id": state.get("run_id"),
                 "files": {n: {"sha256": file_sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}}
     write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     if final.exists():  # same step saved again (e.g. final save right after a periodic one)
@@ -251,6 +258,24 @@ def _known_whole(path: Path) -> bool:
     return verify(path) is None
 
 
+def new_run_id() -> str:
+    """A run's id: when it started, and a random part so two runs started at once differ."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)
+
+
+def run_id_of(path: str | Path) -> str | None:
+    """The id of the run that wrote the checkpoint at `path`; None for one written before
+    runs had ids (or whose files cannot be read)."""
+    for name in (MANIFEST, "state.json"):
+        try:
+            found = json.loads((Path(path) / name).read_text()).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if found is not None:
+            return str(found)
+    return None
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
     root = Path(directory)
     if not root.is_dir():
@@ -289,13 +314,18 @@ def load_latest(directory: str | Path, warn=print) -> Loaded | None:
     return None
 
 
-def apply_retention(directory: str | Path, keep_last: int, keep_best: bool) -> list[Path]:
+def apply_retention(directory: str | Path, keep_last: int, keep_best: bool,
+                    run_ids: Collection[str | None] | None = None, newest: Path | None = None) -> list[Path]:
     """Delete old *valid* checkpoints beyond the newest `keep_last` (and the best by eval loss).
 
-    Corrupt checkpoints are never deleted automatically: they may be someone's only copy.
+    Only checkpoints of the runs in `run_ids` (this run's id, and None where it continued a
+    checkpoint from before run ids) are considered; None: all of them. `newest`, the one just
+    written, is always kept, even where the run went back to an older step. Corrupt
+    checkpoints and other runs' are never deleted automatically: they may be someone's only copy.
     """
-    valid = [p for p in list_checkpoints(directory) if _known_whole(p)]
-    keep = set(valid[-keep_last:])
+    ours = [p for p in list_checkpoints(directory) if run_ids is None or run_id_of(p) in run_ids]
+    valid = [p for p in ours if _known_whole(p)]
+    keep = set(valid[-keep_last:]) | ({Path(newest)} if newest is not None else set())
     if keep_best:
         scored = []
         for p in valid:

@@ -7,6 +7,12 @@ component the loop talks to. Rank 0 writes `RUN_DIR/checkpoints/`. With
 own disks the run then survives losing any one of them, rank 0's included, and on a shared disk
 the copies cannot collide. Reading is rank 0's job; the loop hands what it read to the others.
 
+A run's checkpoints carry its id (`RunState.run_id`). Retention and rollback only ever take
+this run's own (`Checkpointer.lineage`), and a run that continues none of the checkpoints in its
+folder is refused before it writes anything there (`others_in`; the loop asks every rank):
+otherwise retention would delete the new run's newest checkpoint, keeping the old run's
+higher steps, and `--resume auto`, generation and evaluation would read the old run.
+
 `python -m mlxdist.state.checkpointer probe RUN_DIR` prints, as one JSON line, the newest copy that
 verifies on this host: the elastic supervisor asks every host this before a restart.
 """
@@ -14,10 +20,11 @@ verifies on this host: the elastic supervisor asks every host this before a rest
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,6 +48,54 @@ def all_copies(run_dir: Path) -> list[Path]:
     return [p for p, _ in found]
 
 
+def others_in(run_dir: Path, lineage: Collection[str | None] | None) -> list[Path]:
+    """Checkpoints in `run_dir` visible here (rank 0's and the replicas) that belong to a run
+    other than those in `lineage`; all of them for a fresh run (None)."""
+    return [p for p in all_copies(run_dir) if lineage is None or ckpt.run_id_of(p) not in lineage]
+
+
+# What a run leaves in its folder that the next run there would read as its own: removed by
+# `checkpoint.overwrite` (`--overwrite`). config.yaml is rewritten; nothing else is touched.
+RUN_OUTPUTS = ("checkpoints", REPLICAS, "rank_state", "logs")
+
+
+def remove_run(run_dir: Path) -> list[str]:
+    """`checkpoint.overwrite`: delete the previous run's outputs in `run_dir`; returns the names
+    removed. Every host's first rank does it for its own disk; on a shared disk they race, so a
+    file another rank removed first is no error."""
+    removed = []
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if not path.is_dir():
+            continue
+        removed.append(name)
+        for _ in range(100):
+            try:
+                shutil.rmtree(path)
+                break
+            except FileNotFoundError:  # removed under our feet: go on with what is left
+                if not path.exists():
+                    break
+    return removed
+
+
+def describe(paths: list[Path], run_dir: Path) -> str:
+    """`checkpoints/: steps 150, 200` for a message; a long list by its first and last steps."""
+    by_dir: dict[Path, list[int]] = {}
+    for p in paths:
+        by_dir.setdefault(p.parent, []).append(_step(p))
+    parts = []
+    for d, steps in by_dir.items():
+        steps.sort()
+        shown = ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]} ... {steps[-1]} ({len(steps)})"
+        try:
+            where = d.relative_to(run_dir)
+        except ValueError:
+            where = d
+        parts.append(f"{where}/: step{'s' if len(steps) > 1 else ''} {shown}")
+    return "; ".join(parts)
+
+
 def _step(path: Path) -> int:
     try:
         return int(path.name.removeprefix("step_"))
@@ -48,9 +103,13 @@ def _step(path: Path) -> int:
         return -1
 
 
-def newest_whole(run_dir: Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest copy that verifies; each newer broken one is reported and left alone."""
+def newest_whole(run_dir: Path, warn: Callable[[str], None],
+                 lineage: Collection[str | None] | None = None) -> Path | None:
+    """The newest copy that verifies (of the runs in `lineage`; None: of any run); each newer
+    broken one is reported and left alone."""
     for path in all_copies(run_dir):
+        if lineage is not None and ckpt.run_id_of(path) not in lineage:
+            continue
         problem = ckpt.verify(path)
         if problem is None:
             return path
@@ -97,6 +156,9 @@ class Checkpointer:
         # Rank 0 writes the run's checkpoints; a replica writer its host's own copy.
         self.writes = rank == 0 or (cfg.on_every_host and local_rank == 0)
         self.write_dir = self.dir if rank == 0 else run_dir / REPLICAS / host
+        # The runs whose checkpoints are this run's own: its id, and None where it continued
+        # one written before runs had ids. Set by the loop once it knows (after the resume).
+        self.lineage: set[str | None] | None = None
 
     def due(self, step: int, last: bool) -> bool:
         return bool(self.cfg.every and step % self.cfg.every == 0) or last
@@ -115,7 +177,7 @@ class Checkpointer:
     def latest(self, warn: Callable[[str], None]) -> ckpt.Loaded | None:
         """Newest whole copy here: rank 0's or a replica (after an elastic restart the new
         rank 0 may hold only the replica it wrote while it was another rank)."""
-        path = newest_whole(self.run_dir, warn)
+        path = newest_whole(self.run_dir, warn, self.lineage)
         return ckpt.load(path, verified=True) if path is not None else None
 
     def save(self, step: int, states: Mapping[str, Stateful]) -> tuple[Path, float] | None:
@@ -128,7 +190,8 @@ class Checkpointer:
             return None
         path = ckpt.save(self.write_dir, step, files.get("model", {}), files.get("optimizer", {}), state,
                          sync=files.get("sync"))
-        ckpt.apply_retention(self.write_dir, self.cfg.keep_last, self.cfg.keep_best)
+        ckpt.apply_retention(self.write_dir, self.cfg.keep_last, self.cfg.keep_best,
+                             run_ids=self.lineage if self.lineage is not None else {state.get("run_id")}, newest=path)
         return path, time.perf_counter() - t0
 
 
