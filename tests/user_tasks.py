@@ -294,3 +294,35 @@ def mlx_own_optimizer(n: int = 256) -> mlxdist.Task:
 
     task.optimizer = optimizer
     return task
+
+
+def mlx_with_metrics(n: int = 256, vector_metric: bool = False) -> mlxdist.Task:
+    """Loss plus metrics: `close` summed per sample (divided by the units), and `hit` over
+    its own count (targets above 0)."""
+    task = mlx_mlp(n)
+
+    def loss(model, batch):
+        import mlx.core as mx
+
+        err = ((model(batch["x"]) - batch["y"]) ** 2).sum(axis=-1)
+        close = (err < 1.0).astype(mx.float32)
+        positive = (batch["y"][:, 0] > 0).astype(mx.float32)
+        if vector_metric:
+            return err.sum(), {"close": close}
+        return err.sum(), {"close": close.sum(), "hit": ((close * positive).sum(), positive.sum())}
+
+    task.loss = loss
+    task.eval_dataset = Regression(64, seed=1)
+    return task
+
+
+def torch_with_metrics(n: int = 256) -> mlxdist.Task:
+    task = torch_mlp(n)
+
+    def loss(model, batch):
+        err = ((model(batch["x"]) - batch["y"]) ** 2).sum(dim=-1)
+        return err.sum(), {"close": (err < 1.0).float().sum()}
+
+    task.loss = loss
+    task.eval_dataset = Regression(64, seed=1)
+    return task

@@ -12,13 +12,14 @@ batches (and masked prompts) exact.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from ..tasks import Batch, TaskError
+from ..tasks.metrics import MetricSums, means
 from .memory import MemoryReading
 
 
@@ -30,6 +31,7 @@ class LocalGradients:
     arrays: list
     loss_sum: float
     count: int
+    metrics: MetricSums = field(default_factory=MetricSums)  # the task's metrics, summed here
 
 
 @dataclass
@@ -43,6 +45,7 @@ class StepStats:
     sync_overlapped: int = 0  # gradient buckets sent while backward still ran
     local: bool = False  # loss, tokens and norm are this rank's own (no exchange this step)
     why_skipped: str = "non-finite loss/gradients"
+    metrics: dict[str, float] = field(default_factory=dict)  # the task's, per unit (or per its count)
 
 
     @property
@@ -132,6 +135,7 @@ def local_step(engine: Engine, lr: float) -> StepStats:
     g = engine.take_gradients()
     stats = engine.apply_gradients(g.arrays, g.loss_sum, g.count, lr)
     stats.local = True
+    stats.metrics = means(g.metrics.names(), g.metrics.flat(g.count))
     return stats
 
 

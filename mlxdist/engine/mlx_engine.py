@@ -21,11 +21,20 @@ from ..config import Config
 from ..models.build import built_from_task
 from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
+from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens
 from .memory import MemoryReading, mlx_memory_limit, with_override
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def _item(a: mx.array) -> float:
+    return float(a.item())
+
+
+def _pairs(totals: dict, counts: dict) -> dict:
+    return {n: (t, counts.get(n)) for n, t in totals.items()}
 
 
 class MLXEngine:
@@ -86,11 +95,15 @@ class MLXEngine:
         self.model.update(tree_unflatten(list(params.items())))
         return self.model(inputs).astype(mx.float32)
 
-    def _loss(self, params: dict[str, mx.array], batch) -> mx.array:
+    def _loss(self, params: dict[str, mx.array], batch) -> tuple[mx.array, dict, dict]:
         if self.compute_dtype != mx.float32:
             params = {k: v.astype(self.compute_dtype) for k, v in params.items()}
         self.model.update(tree_unflatten(list(params.items())))
-        return check_scalar(self.task_loss(self.model, batch), self.task_name).astype(mx.float32)
+        loss, metrics = split_loss(self.task_loss(self.model, batch), self.task_name)
+        # The metrics ride along as auxiliary outputs (value_and_grad differentiates the first).
+        totals = {n: mx.array(t, mx.float32) for n, (t, _) in metrics.items()}
+        counts = {n: mx.array(c, mx.float32) for n, (_, c) in metrics.items() if c is not None}
+        return check_scalar(loss, self.task_name).astype(mx.float32), totals, counts
 
     def _adamw_update(self, params, m, v, grads, scalars):
         lr, bc1, bc2, coef = scalars[0], scalars[1], scalars[2], scalars[3]
@@ -117,23 +130,26 @@ class MLXEngine:
         self._grads: dict[str, mx.array] | None = None
         self._loss_sum = mx.array(0.0)
         self._tokens = 0
+        self._metrics = MetricSums()
 
     def micro_step(self, batch) -> None:
         batch = as_batch(batch)
         with sample_seeds_of(batch):
-            loss, grads = self._value_and_grad(self.params, self._arrays(batch.data))
+            (loss, totals, counts), grads = self._value_and_grad(self.params, self._arrays(batch.data))
         if self._grads is None:
             self._grads = grads
         else:
             self._grads = {k: self._grads[k] + grads[k] for k in grads}
         self._loss_sum = self._loss_sum + loss
         self._tokens += batch.count
-        mx.eval(self._grads, self._loss_sum, self._state_arrays())  # BatchNorm's new statistics too
+        mx.eval(self._grads, self._loss_sum, totals, counts, self._state_arrays())  # BatchNorm's statistics too
+        self._metrics.add(_pairs(totals, counts), _item)
 
     def take_gradients(self) -> LocalGradients:
         if self._grads is None:
             raise RuntimeError("take_gradients() without micro_step(): no gradients to apply")
-        out = LocalGradients([self._grads[n] for n in self.names], self._loss_sum.item(), self._tokens)
+        out = LocalGradients([self._grads[n] for n in self.names], self._loss_sum.item(), self._tokens,
+                             self._metrics)
         self._reset_accumulators()
         return out
 
@@ -174,15 +190,18 @@ class MLXEngine:
     def discard_gradients(self) -> None:
         self._reset_accumulators()
 
-    def eval_loss(self, batch) -> tuple[float, int]:
+    def eval_loss(self, batch, metrics: MetricSums | None = None) -> tuple[float, int]:
         batch = as_batch(batch)
         self.model.eval()
         try:
             with sample_seeds_of(batch):
-                loss = self._loss(self.params, self._arrays(batch.data)).item()
+                loss, totals, counts = self._loss(self.params, self._arrays(batch.data))
+                mx.eval(loss, totals, counts)
         finally:
             self.model.train()
-        return loss, batch.count
+        if metrics is not None:
+            metrics.add(_pairs(totals, counts), _item)
+        return loss.item(), batch.count
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         return np.array(self._forward(self.params, mx.array(tokens)))

@@ -33,6 +33,7 @@ from ..models.build import built_from_task
 from ..models.presets import ModelArgs
 from ..tasks import Batch, Task, TaskContext, TaskError, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
+from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens
 from .memory import MemoryReading, mps_reading, process_reading, with_override
@@ -137,6 +138,10 @@ def _tf32_wanted() -> bool:
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float32).numpy().copy()
+
+
+def _float(x) -> float:
+    return float(x.detach()) if torch.is_tensor(x) else float(x)
 
 
 def _state_numpy(t: torch.Tensor) -> np.ndarray:
@@ -258,6 +263,7 @@ class TorchEngine:
         self._loss_sum = torch.zeros((), device=self.dev, dtype=torch.float32)
         self._tokens = 0
         self._micro_steps = 0
+        self._metrics = MetricSums()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype == torch.float32:
@@ -270,10 +276,12 @@ class TorchEngine:
         # tensor can hand the kernel corrupted data (PyTorch issues 139550, 189690).
         return t.to(self.dev, non_blocking=self.device_type == "cuda")
 
-    def _summed_loss(self, forward, batch: Batch) -> tuple[torch.Tensor, int]:
+    def _summed_loss(self, forward, batch: Batch, metrics: MetricSums | None = None) -> tuple[torch.Tensor, int]:
         data = tree_map(self._to_device, batch.data)
         with self._autocast(), sample_seeds_of(batch):
-            loss = self.task_loss(forward, data)
+            loss, found = split_loss(self.task_loss(forward, data), self.task_name)
+        if found:
+            (self._metrics if metrics is None else metrics).add(found, _float)
         return check_scalar(loss, self.task_name).float(), batch.count
 
     # ---------------------------------------------------------------- protocol
@@ -462,7 +470,7 @@ class TorchEngine:
         # A parameter this rank's batches did not reach has no gradient: zeros, so every rank
         # hands the same list to the all-reduce.
         out = LocalGradients([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params],
-                             float(self._loss_sum), self._tokens)
+                             float(self._loss_sum), self._tokens, self._metrics)
         for p in self._params:  # the next micro_step starts a fresh sum; apply_gradients puts these back
             p.grad = None
         self._on_ready = None
@@ -549,10 +557,10 @@ class TorchEngine:
             torch.mps.empty_cache()
 
     @torch.no_grad()
-    def eval_loss(self, batch) -> tuple[float, int]:
+    def eval_loss(self, batch, metrics: MetricSums | None = None) -> tuple[float, int]:
         self.model.eval()
         try:
-            loss, n = self._summed_loss(self._forward, as_batch(batch))
+            loss, n = self._summed_loss(self._forward, as_batch(batch), metrics or MetricSums())
         finally:
             self.model.train()
         return float(loss), n

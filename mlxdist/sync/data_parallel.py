@@ -11,6 +11,7 @@ import numpy as np
 from ..cluster.world import World
 from ..control.plan import Decision
 from ..engine.base import Engine, StepStats
+from ..tasks.metrics import means
 from .model_state import StateSync
 
 
@@ -30,8 +31,10 @@ class DataParallel:
         self.world.rendezvous("waiting for the other ranks to finish computing")
         local = engine.take_gradients()
         grads, sync = self.reducer.all_sum(local.arrays)
-        loss_sum, count = self.world.allreduce_sum([local.loss_sum, local.count])
+        loss_sum, count, *metrics = self.world.allreduce_sum([local.loss_sum, local.count,
+                                                              *local.metrics.flat(local.count)])
         stats = engine.apply_gradients(grads, loss_sum, int(count), lr)
+        stats.metrics = means(local.metrics.names(), metrics)
         self.state_sync(engine, local.count)
         stats.sync_seconds, stats.sync_bytes, stats.sync_overlapped = sync.seconds, sync.bytes, sync.overlapped
         return stats

@@ -31,6 +31,11 @@ class EventLog:
         self._f.close()
 
 
+def rate_text(per_s: float) -> str:
+    """12.3k above a thousand; plain below it (20 puzzles/s is not "0.0k")."""
+    return f"{per_s / 1000:.1f}k" if per_s >= 1000 else f"{per_s:.1f}" if per_s < 100 else f"{per_s:.0f}"
+
+
 class Progress:
     """`step 120/300 [####......] loss 2.31 | 41.2k tok/s | eta 1m05s` on one redrawn line."""
 
@@ -42,7 +47,8 @@ class Progress:
         self._start: float | None = None
         self._start_step = 0
 
-    def update(self, step: int, loss: float, units_per_s: float, extra: str = "") -> None:
+    def update(self, step: int, loss: float, units_per_s: float, extra: str = "",
+               metrics: dict[str, float] | None = None) -> None:
         if not self.enabled:
             return
         now = time.time()
@@ -54,7 +60,9 @@ class Progress:
         width = 20
         filled = int(width * step / max(self.total, 1))
         bar = "#" * filled + "." * (width - filled)
-        line = (f"step {step}/{self.total} [{bar}] loss {loss:.4f} | {units_per_s / 1000:.1f}k {'tok' if self.unit == 'tokens' else self.unit}/s"
+        shown = "".join(f" {k} {v:.4g}" for k, v in (metrics or {}).items())
+        unit = "tok" if self.unit == "tokens" else self.unit
+        line = (f"step {step}/{self.total} [{bar}] loss {loss:.4f}{shown} | {rate_text(units_per_s)} {unit}/s"
                 f" | eta {int(eta // 60)}m{int(eta % 60):02d}s{extra}")
         if self.tty:
             self.stream.write("\r" + line.ljust(100))

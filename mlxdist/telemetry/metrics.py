@@ -64,6 +64,10 @@ class Metrics:
                              [*lab, "unit"], registry=r)
         self.units_per_second = Gauge("mlxdist_units_per_second", "This rank's throughput in the task's unit",
                                       [*lab, "unit"], registry=r)
+        self.task_metric = Gauge("mlxdist_task_metric", "The task's own metrics of the last step (per unit or count)",
+                                 [*lab, "name"], registry=r)
+        self.eval_metric = Gauge("mlxdist_eval_metric", "The task's own metrics at the last evaluation",
+                                 [*lab, "name"], registry=r)
         self.drift_repairs = counter("mlxdist_drift_repairs", "Weight drift detected and repaired by broadcast")
         self.rollbacks = counter("mlxdist_rollbacks", "Rollbacks to the last checkpoint")
         # Set by launch/mlxrun --elastic in a restarted job's environment; 0 otherwise.
@@ -96,6 +100,8 @@ class Metrics:
             self._observe_step(fields)
         elif kind == "eval":
             self.eval_loss.set(fields["eval_loss"])
+            for name, value in (fields.get("metrics") or {}).items():
+                self.eval_metric.labels(**self.labels, name=name).set(value)
         elif kind == "checkpoint":
             self.checkpoint_seconds.observe(fields["seconds"])
         elif kind == "outer_sync":
@@ -120,6 +126,8 @@ class Metrics:
             self.units_per_second.labels(**self.labels, unit=f["unit"]).set(f["units_per_s"])
         self.samples.inc(f["samples"])
         self.loss.set(f["loss"])
+        for name, value in (f.get("metrics") or {}).items():
+            self.task_metric.labels(**self.labels, name=name).set(value)
         self.lr.set(f["lr"])
         self.grad_norm.set(f["grad_norm"])
         self.batch_size.set(f["micro_batch"])

@@ -71,6 +71,7 @@ class ScalarMap:
             out = self._step(f)
         elif kind == "eval":
             out["eval/loss"] = f["eval_loss"]
+            out |= {f"eval/{k}": v for k, v in (f.get("metrics") or {}).items()}
         elif kind == "checkpoint":
             out["checkpoint/seconds"] = f["seconds"]
         elif kind == "outer_sync":
@@ -105,6 +106,7 @@ class ScalarMap:
         # The cluster's rate in the task's unit (what the progress line shows), not rank 0's alone.
         unit = f.get("unit", "tokens")
         out[f"train/{unit}_per_s"] = f.get("cluster_units_per_s", f.get("units_per_s", f.get("tokens_per_s")))
+        out |= {f"train/{k}": v for k, v in (f.get("metrics") or {}).items()}  # the task's own
         # Every rank's share and micro-batch: how re-splits and batch-size changes anywhere show on rank 0.
         for key, series in (("shares", "cluster/share"), ("micro", "cluster/micro_batch")):
             if len(f.get(key) or ()) > 1:

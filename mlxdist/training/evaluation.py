@@ -9,6 +9,7 @@ from ..control.split import micro_batches
 from ..data.sampler import EVAL, StreamIndices
 from ..engine.base import Engine
 from ..tasks import Task
+from ..tasks.metrics import MetricSums, means
 
 
 class Evaluator:
@@ -21,10 +22,12 @@ class Evaluator:
         return (self.task.eval_dataset is not None and bool(self.cfg.eval_every)
                 and (step % self.cfg.eval_every == 0 or last))
 
-    def run(self, engine: Engine, micro: int) -> float:
-        """Mean loss per unit; eval batches are dealt round-robin to the ranks."""
+    def run(self, engine: Engine, micro: int) -> tuple[float, dict[str, float]]:
+        """Mean loss per unit and the task's metrics; eval batches are dealt round-robin to
+        the ranks."""
         data = self.task.eval_dataset
         loss_sum = units = 0.0
+        metrics = MetricSums()
         b, n = self.cfg.batch_size, len(data)
         batches = self.cfg.eval_batches or -(-n // b)  # 0: the whole set, each sample once
         for i in range(self.world.rank, batches, self.world.size):
@@ -32,7 +35,16 @@ class Evaluator:
             idx = StreamIndices(idx, range(i * b, i * b + len(idx)), self.cfg.seed, EVAL)  # window slots: augment keys
             offset = 0
             for size in micro_batches(len(idx), micro):
-                ls, count = engine.eval_loss(self.task.make_batch(data, idx[offset : offset + size]))
+                ls, count = engine.eval_loss(self.task.make_batch(data, idx[offset : offset + size]), metrics)
                 loss_sum, units, offset = loss_sum + ls, units + count, offset + size
-        loss_sum, units = self.world.allreduce_sum([loss_sum, units])
-        return loss_sum / max(units, 1)
+        # Every rank sums the same names, also one that got no eval batch (its first micro-batch
+        # would have named them): the names come from rank 0.
+        names = self.world.bcast(metrics.names())
+        flat = [x for n in names for x in (metrics.sums.get(n, [0.0, None])[0],
+                                           _count(metrics.sums.get(n, [0.0, None])[1], units))]
+        loss_sum, units, *flat = self.world.allreduce_sum([loss_sum, units, *flat])
+        return loss_sum / max(units, 1), means(names, flat)
+
+
+def _count(count: float | None, units: float) -> float:
+    return units if count is None else count

@@ -27,11 +27,11 @@ from ..data import GlobalSampler
 from ..data.batch import BatchMaker
 from ..data.feed import StepFeed
 from ..engine import make_engine, make_reducer, make_world
-from ..engine.base import Engine, StepStats
+from ..engine.base import Engine, StepStats, set_model
 from ..engine.memory import MemoryReading
-from ..markers import announce_complete
+from ..markers import RestartCounts, announce_complete
 from ..state import checkpoint as ckpt
-from ..state.checkpointer import Checkpointer
+from ..state.checkpointer import Checkpointer, describe, others_in, remove_run
 from ..sync.strategy import SyncStrategy, make_strategy, share_state
 from ..tasks import Batch, Task
 from ..tasks.fingerprint import check_same, fingerprint
@@ -42,6 +42,7 @@ from ..telemetry.reporter import Log, Reporter
 from ..telemetry.trackers import start_trackers
 from . import faults
 from .evaluation import Evaluator
+from .next_steps import next_line, spelling
 from .states import ClusterInfo, ModelState
 
 
@@ -53,6 +54,7 @@ class Trainer:
         self.cfg = cfg
         self.world: World = make_world(engine_name, cfg, device)
         self.run_dir = Path(cfg.train.out_dir)
+        run_id, overwritten = self._claim_run_dir()  # before anything is written there
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.world.install_signal_handlers()
         hold_awake(os.getpid())  # a MacBook that sleeps mid-run stalls the whole cluster
@@ -67,11 +69,14 @@ class Trainer:
             if w.is_main:
                 self.report.say(f"config: {warning}")
 
+        if overwritten and w.is_main:
+            self.report.say(f"overwrite: {overwritten}")
         self.hosts = w.allgather(w.host)
         unmatched = cfg.unmatched_nodes_warning(self.hosts)
         if w.is_main and unmatched:
             self.report.say(f"config: {unmatched}")
-        self.state = ckpt.RunState()
+        self.state = ckpt.RunState(run_id=run_id)
+        self._builtin_lm = task is None and not cfg.task.factory
         self.task = task or resolve_task(cfg, self.report.say if w.is_main else None)
         progress.unit = self.task.unit
         check_same(w.allgather(fingerprint(self.task, cfg.task.args)), self.hosts, self.task.name)
@@ -294,14 +299,16 @@ class Trainer:
             micro_batch=plan.micro[rank], accum=plan.accumulation(rank), samples=samples,
             global_batch=plan.global_batch, position=self.state.position, skipped=stats.skipped,
             memory_active_bytes=memory.active, memory_peak_bytes=memory.peak, memory_limit_bytes=memory.limit,
-            **units)
-        self.report.progress.update(self.state.step, stats.loss, units["cluster_units_per_s"])
+            metrics=stats.metrics, **units)
+        self.report.progress.update(self.state.step, stats.loss, units["cluster_units_per_s"], metrics=stats.metrics)
 
     def evaluate(self) -> bool:
         """Held-out loss, then the policies that read it. True when early stopping says stop."""
         s = self.state
-        s.eval_loss = self.evaluator.run(self.engine, self.plan.micro[self.world.rank])
-        self.report.emit("eval", f"eval: step {s.step}: loss {s.eval_loss:.4f}", step=s.step, eval_loss=s.eval_loss)
+        s.eval_loss, metrics = self.evaluator.run(self.engine, self.plan.micro[self.world.rank])
+        shown = "".join(f", {k} {v:.4g}" for k, v in metrics.items())
+        self.report.emit("eval", f"eval: step {s.step}: loss {s.eval_loss:.4f}{shown}", step=s.step,
+                         eval_loss=s.eval_loss, metrics=metrics)
         if s.best_eval is None or s.eval_loss < s.best_eval:
             s.best_eval = s.eval_loss
         if self.ctl.plateau is not None:
@@ -337,17 +344,26 @@ class Trainer:
             state = loaded.state
             self._check_checkpoint_task(loaded.path, state.get("config", {}).get("task"))
             self._check_checkpoint_base(loaded.path, loaded.meta)
-            self.engine.set_weights(loaded.weights)
+            lacking = set_model(self.engine, loaded.weights)
+            if lacking:
+                self.report.say(f"{loaded.path} holds no {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''} "
+                                f"(saved before mlxdist kept buffers): {len(lacking)} kept as the model built them")
             self.engine.set_optimizer_state(loaded.optimizer, loaded.meta.optimizer_step)
             self.report.say(f"resumed from {loaded.path} (step {loaded.meta.run.step}, "
                             f"saved by {loaded.meta.world_size} rank(s))")
         share_state(self.world, self.engine, 0)
         state = self.world.bcast(state)
         if state is None:
+            self.checkpoints.lineage = {self.state.run_id}
             self._report(self.sync.load_state_dict(None, self.run_dir / "rank_state", 0, self.engine, 0))
             return
         meta = ckpt.CheckpointMeta.from_dict(state)
-        self.state.load_state_dict(state)
+        # A resume carries on the checkpoint's run id; one from before runs had ids keeps this
+        # run's new one, and its checkpoints count as this run's (retention, rollback).
+        theirs = state.get("run_id")
+        self.state.load_state_dict(state | {"run_id": theirs or self.state.run_id})
+        if not rolling_back:
+            self.checkpoints.lineage = {self.state.run_id} | ({None} if theirs is None else set())
         if meta.global_batch not in (None, self.plan.global_batch):
             self.report.say(f"resume: global batch {meta.global_batch} -> {self.plan.global_batch} (this cluster's "
                             "node batch sizes x train.accum); set train.global_batch to keep it")
@@ -370,6 +386,8 @@ class Trainer:
             self.report.say(f"stopped after step {s.step}: {self.stop_reason}")
         if self.world.is_main:
             self.report.say(f"done: step {s.step}, last loss {stats.loss:.4f}" if stats else f"done: step {s.step}")
+            self.report.say(next_line(self.cfg, world_size=self.world.size, builtin_lm=self._builtin_lm,
+                                      stopped_by_signal=self.stop_reason == "signal"))
         self.sync.close()
         self.report.progress.close()
         self.report.emit("end", step=s.step, reason=self.stop_reason or "completed")
@@ -378,6 +396,44 @@ class Trainer:
             announce_complete(s.step, self.stop_reason or "completed")
 
     # ------------------------------------------------------------------ helpers
+    def _claim_run_dir(self) -> tuple[str, str]:
+        """This run's id, and what `checkpoint.overwrite` removed (empty: nothing). A run that
+        continues none of the checkpoints in train.out_dir (a fresh one, or --resume PATH of
+        another run) would mix with them: retention would keep the other run's higher steps
+        and delete its own newest, and --resume auto, generation and evaluation would read the
+        other run. It is refused before it writes anything there, unless checkpoint.overwrite
+        asks to delete them (a fresh run only). Every rank looks at its own disk (replicas);
+        all decide alike from the gathered lists. An elastic restart skips this: its first job
+        already claimed the folder, and the checkpoints there are the same run's."""
+        w, cp = self.world, self.cfg.checkpoint
+        run_id = w.bcast(ckpt.new_run_id() if w.is_main else None)
+        if cp.resume == "auto" or RestartCounts.from_env().restarts:
+            return run_id, ""
+        fresh = cp.resume == "none"
+        # --resume PATH: checkpoints of PATH's run are its own; those from before run ids cannot
+        # be told apart, so only another id counts against it.
+        lineage = None if fresh else {w.bcast(ckpt.run_id_of(cp.resume) if w.is_main else None), None}
+        found = w.allgather((w.host, [str(p) for p in others_in(self.run_dir, lineage)]))
+        where = next((r for r, (_, paths) in enumerate(found) if paths), None)  # rank 0's disk first
+        if where is None:
+            return run_id, ""
+        host, paths = found[where]
+        seen = describe([Path(p) for p in paths], self.run_dir) + (f" on {host}" if where else "")
+        if fresh and cp.overwrite:
+            removed = remove_run(self.run_dir) if w.local_rank == 0 else []
+            w.barrier("removing the previous run's files (--overwrite)")
+            return run_id, (f"removed the previous run's {', '.join(removed)} from {self.run_dir} ({seen})"
+                            if w.is_main and removed else "")
+        what = "another run's checkpoints" if fresh else f"checkpoints of a run other than {cp.resume}'s"
+        resume, overwrite = spelling()
+        ways = (f"continue that run with {resume}, give this one a new train.out_dir, or replace that run "
+                f"with {overwrite} (deletes its checkpoints and logs)" if fresh else
+                f"give this run a new train.out_dir, or continue the run there with {resume}")
+        err = ConfigError(f"train.out_dir {self.run_dir} holds {what} ({seen}); nothing was changed: {ways}")
+        err.all_ranks = True  # every rank saw the same gathered lists: all stop, none aborts the others
+        err.quiet = not w.is_main  # one line, from rank 0
+        raise err
+
     def _report(self, decisions: list[Decision]) -> None:
         for d in decisions:
             if d.fields:
