@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+import sysconfig
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,10 +91,8 @@ def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int
     try:
         return train(cfg, engine, device, task)
     except Exception as e:  # noqa: BLE001 - one line for the user, traceback on request
-        expected = isinstance(e, (ConfigError, RuntimeError, ValueError, OSError))
         if not getattr(e, "quiet", False):  # raised by every rank, said by rank 0
-            print(f"error: {e}" if expected else f"error: {type(e).__name__}: {e} "
-                  "(set MLXDIST_DEBUG=1 for the traceback)", file=sys.stderr)
+            print(error_line(e), file=sys.stderr)
         if os.environ.get("MLXDIST_DEBUG"):
             traceback.print_exc()
         if not getattr(e, "all_ranks", False):  # raised by every rank together: nobody waits
@@ -101,6 +101,45 @@ def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int
                 trackers.close_open()
             _abort_peers()
         return 2 if isinstance(e, ConfigError) else 1
+
+
+def error_line(e: BaseException) -> str:
+    """One line for a failed run. mlxdist's own errors are sentences already; an exception from
+    the user's code (a task's loss, dataset, build) says where: rank, host, and the last frame
+    outside mlxdist and the frameworks, with the way to the whole traceback."""
+    where = user_frame(e.__traceback__)
+    if where is None and isinstance(e, (ConfigError, RuntimeError, ValueError, OSError)):
+        return f"error: {e}"
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0"))
+    at = f" at {where}" if where else ""
+    return (f"error: rank {rank} ({socket.gethostname()}){at}: {type(e).__name__}: {e} "
+            "(set MLXDIST_DEBUG=1 for the traceback)")
+
+
+def user_frame(tb) -> str | None:
+    """`file.py:LINE in FUNCTION` of the innermost frame that is the user's: not mlxdist's, not
+    the standard library's, not a framework's (torch, mlx, numpy, ...) it called into."""
+    found = None
+    for frame, line in traceback.walk_tb(tb):
+        if _users(Path(frame.f_code.co_filename)):
+            found = f"{Path(frame.f_code.co_filename).name}:{line} in {frame.f_code.co_name}"
+    return found
+
+
+_FRAMEWORKS = {"torch", "mlx", "numpy", "mpi4py", "safetensors", "transformers", "peft", "mlx_lm"}
+
+
+def _users(path: Path) -> bool:
+    if path.name.startswith("<"):
+        return False
+    path = path.resolve()
+    if Path(__file__).resolve().parent in path.parents:
+        return False
+    parts = path.parts
+    if "site-packages" in parts:
+        top = parts[parts.index("site-packages") + 1:]
+        return not top or top[0].split(".")[0] not in _FRAMEWORKS
+    return Path(sysconfig.get_paths()["stdlib"]).resolve() not in path.parents
 
 
 def _abort_peers() -> None:

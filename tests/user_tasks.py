@@ -326,3 +326,13 @@ def torch_with_metrics(n: int = 256) -> mlxdist.Task:
     task.loss = loss
     task.eval_dataset = Regression(64, seed=1)
     return task
+
+
+def raises_in_loss(n: int = 64) -> mlxdist.Task:
+    task = mlx_mlp(n)
+
+    def loss(model, batch):
+        raise RuntimeError("shapes do not line up")
+
+    task.loss = loss
+    return task

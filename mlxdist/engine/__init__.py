@@ -35,18 +35,18 @@ def make_world(name: str, cfg: Config, device: str = "auto") -> World:
 
 
 def make_engine(name: str, cfg: Config, device: str = "auto", task: Task | None = None,
-                local_rank: int = 0) -> Engine:
+                local_rank: int = 0, micro_batch: int = 0) -> Engine:
     """Build the engine the CLI asked for, with the task's model (default: the built-in LM);
     each import is lazy so neither framework is required. `local_rank` picks this rank's GPU
     where a host has several (torch, `--device auto`)."""
     if name == "mlx":
         from .mlx_engine import MLXEngine
 
-        return MLXEngine(cfg, task)
+        return MLXEngine(cfg, task, micro_batch=micro_batch)
     if name == "torch":
         from .torch_engine import TorchEngine
 
-        return TorchEngine(cfg, device, task=task, local_rank=local_rank)
+        return TorchEngine(cfg, device, task=task, local_rank=local_rank, micro_batch=micro_batch)
     raise ValueError(f"unknown engine '{name}' (use {' or '.join(ENGINES)})")
 
 

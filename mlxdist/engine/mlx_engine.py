@@ -40,7 +40,7 @@ def _pairs(totals: dict, counts: dict) -> dict:
 class MLXEngine:
     name = "mlx"
 
-    def __init__(self, cfg: Config, task: Task | None = None, args=None):
+    def __init__(self, cfg: Config, task: Task | None = None, args=None, micro_batch: int = 0):
         """`task` defaults to the built-in LM of `cfg`; `args` overrides its preset's shape (tests)."""
         self.cfg = cfg
         self.device = str(mx.default_device())
@@ -48,7 +48,7 @@ class MLXEngine:
         task = task or lm_model(cfg, args)
         self.task_loss, self.task_name = task.loss, task.name
         mx.random.seed(cfg.train.seed)  # a model initialised without a seed still starts the same every run
-        built = built_from_task(task.build(TaskContext("mlx", self.device, cfg.train.seed, cfg)), "mlx", None,
+        built = built_from_task(task.build(TaskContext("mlx", self.device, cfg.train.seed, cfg, micro_batch)), "mlx", None,
                                 task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base

@@ -167,7 +167,7 @@ class TorchEngine:
     notes_extra: list[str] = []
 
     def __init__(self, cfg: Config, device: str = "auto", args: ModelArgs | None = None, task: Task | None = None,
-                 local_rank: int = 0):
+                 local_rank: int = 0, micro_batch: int = 0):
         """`task` defaults to the built-in LM of `cfg`; `args` overrides its preset's shape (tests)."""
         self.cfg = cfg
         self.device, self.device_reason = select_device(device, local_rank)
@@ -185,7 +185,7 @@ class TorchEngine:
 
         task = task or lm_model(cfg, args)
         self.task_loss, self.task_name = task.loss, task.name
-        ctx = TaskContext("torch", self.device, cfg.train.seed, cfg)
+        ctx = TaskContext("torch", self.device, cfg.train.seed, cfg, micro_batch)
         torch.manual_seed(cfg.train.seed)  # a model initialised without a seed still starts the same every run
         built = built_from_task(task.build(ctx), "torch", self.dev, task.name)
         self.model = built.module

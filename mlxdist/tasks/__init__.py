@@ -29,12 +29,15 @@ class TaskError(ConfigError):
 
 @dataclass
 class TaskContext:
-    """What `Task.build` may want to know. Nothing about ranks: the model is the same on all."""
+    """What `Task.build` may want to know. The model's weights are the same on every rank."""
 
     engine: str  # "mlx" or "torch"
     device: str  # the torch device ("cpu", "mps", "cuda:0"), or MLX's default device
     seed: int
     config: Config
+    # This rank's micro-batch at the start (ranks differ: 3 on a MacBook, 5 on a Studio), for a
+    # model that sizes a structure by it; it can change later (out of memory, the balancer).
+    micro_batch: int = 0
 
 
 @dataclass

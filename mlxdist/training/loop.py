@@ -80,8 +80,10 @@ class Trainer:
         self.task = task or resolve_task(cfg, self.report.say if w.is_main else None)
         progress.unit = self.task.unit
         check_same(w.allgather(fingerprint(self.task, cfg.task.args)), self.hosts, self.task.name)
-        self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device, self.task, w.local_rank), w.rank,
-                                          lambda: self.state.step)
+        node = cfg.node_for(w.host, w.rank)
+        my_micro = node.batch_size if cfg.nodes else cfg.train.batch_size
+        self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device, self.task, w.local_rank, my_micro),
+                                          w.rank, lambda: self.state.step)
         self._check_same_base()
         self.sync: SyncStrategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, w), self.hosts)
         self.evaluator = Evaluator(self.task, cfg.train, w)
@@ -90,8 +92,6 @@ class Trainer:
                                         GlobalSampler(len(data), cfg.train.seed), w.rank), cfg.data.prefetch)
         self._units = 0
 
-        node = cfg.node_for(w.host, w.rank)
-        my_micro = node.batch_size if cfg.nodes else cfg.train.batch_size
         plan = StepPlan.initial(w.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
         self.ctl = Controllers.build(cfg, plan, my_micro, node.memory_target, w.size, w.rank, w.allgather)
         self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir, host=w.host, rank=w.rank,
