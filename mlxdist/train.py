@@ -108,8 +108,10 @@ def error_line(e: BaseException) -> str:
     the user's code (a task's loss, dataset, build) says where: rank, host, and the last frame
     outside mlxdist and the frameworks, with the way to the whole traceback."""
     where = user_frame(e.__traceback__)
-    if where is None and isinstance(e, (ConfigError, RuntimeError, ValueError, OSError)):
-        return f"error: {e}"
+    frames = list(traceback.walk_tb(e.__traceback__))
+    ours = bool(frames) and Path(__file__).resolve().parent in Path(frames[-1][0].f_code.co_filename).resolve().parents
+    if (where is None or ours) and isinstance(e, (ConfigError, RuntimeError, ValueError, OSError)):
+        return f"error: {e}"  # raised by mlxdist itself: already a sentence that says what to do
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0"))
     at = f" at {where}" if where else ""
     return (f"error: rank {rank} ({socket.gethostname()}){at}: {type(e).__name__}: {e} "

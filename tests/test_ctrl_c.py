@@ -126,4 +126,3 @@ def test_second_ctrl_c_on_plain_mpirun_ends_at_once(tmp_path: Path) -> None:
     assert term.code not in (None, 0), term.text[-3000:]
     assert took < 10, took
     assert "Traceback" not in term.text, term.text[-3000:]
-    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())

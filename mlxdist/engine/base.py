@@ -104,7 +104,11 @@ class Engine(Protocol):
     # -- the rest of a task's model state (buffers, frozen weights); empty for the built-in LM
     trained_names: list[str]
 
-    def state_names(self) -> list[str]: ...
+    def state_names(self) -> list[str]:
+        """What is saved and kept equal: buffers, and entries that ever changed."""
+
+    def has_state(self) -> bool:
+        """Whether the model has anything besides its trained parameters."""
 
     def get_state(self, names=None) -> dict[str, np.ndarray]:
         """Copies in each entry's own dtype (bf16 as fp32), all or the named ones."""

@@ -64,6 +64,7 @@ class MLXEngine:
         self._adamw = mx.compile(self._adamw_update)
         self.own_optimizer = self._make_optimizer(task)
         self._reset_accumulators()
+        self._touched: set[str] = set()
         self.mark_state()
 
     def _make_optimizer(self, task: Task):
@@ -252,7 +253,7 @@ class MLXEngine:
     def get_state(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         arrays = self._state_arrays()
         return {n: np.array(arrays[n].astype(mx.float32) if arrays[n].dtype == mx.bfloat16 else arrays[n])
-                for n in (arrays if names is None else names)}
+                for n in (self.state_names() if names is None else names)}
 
     def set_state(self, state: dict[str, np.ndarray]) -> None:
         arrays = self._state_arrays()
@@ -260,15 +261,24 @@ class MLXEngine:
         self.model.update(tree_unflatten([(n, mx.array(np.asarray(v)).astype(arrays[n].dtype))
                                           for n, v in state.items()]))
         mx.eval(self.model.parameters())
+        self._touched |= set(state)
         self.mark_state()
 
     def state_names(self) -> list[str]:
-        return list(self._state_arrays())
+        """The entries saved and kept equal: those that ever changed (BatchNorm's statistics
+        after a step). A frozen base that never changes is fingerprinted, not copied."""
+        self.changed_state()
+        return sorted(self._touched)
+
+    def has_state(self) -> bool:
+        return bool(self._state_arrays())
 
     def changed_state(self) -> list[str]:
         """Names whose array was replaced since `mark_state`: MLX arrays are immutable, so a
         module that updates its state (BatchNorm in training) puts a new one in its place."""
-        return [n for n, a in self._state_arrays().items() if self._marks.get(n) is not a]
+        changed = [n for n, a in self._state_arrays().items() if self._marks.get(n) is not a]
+        self._touched |= set(changed)
+        return changed
 
     def mark_state(self) -> None:
         self._marks = self._state_arrays()  # holding them keeps an id from being reused

@@ -228,6 +228,7 @@ class TorchEngine:
         self.notes = [n for n in [slow_autocast_note(self.device_type, self.dtype_name)] if n] + self.notes_extra
         self._hooked, self._on_ready = False, None
         self.last_skip_overflow = False
+        self._touched: set[str] = set()
         self.mark_state()
         self._reset_accumulators()
 
@@ -326,7 +327,7 @@ class TorchEngine:
 
     def get_state(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         tensors = self._state_tensors()
-        return {n: _state_numpy(tensors[n]) for n in (tensors if names is None else names)}
+        return {n: _state_numpy(tensors[n]) for n in (self.state_names() if names is None else names)}
 
     def set_state(self, state: dict[str, np.ndarray]) -> None:
         tensors = self._state_tensors()
@@ -334,18 +335,28 @@ class TorchEngine:
         with torch.no_grad():
             for n, value in state.items():
                 tensors[n].copy_(torch.from_numpy(np.asarray(value)).to(tensors[n].dtype))
+        self._touched |= set(state)
         self.mark_state()
 
     def state_names(self) -> list[str]:
-        return list(self._state_tensors())
+        """The entries saved and kept equal: every buffer, and frozen weights that ever
+        changed (a frozen base that never does is fingerprinted, not copied)."""
+        buffers = {n for n, _ in self.model.named_buffers()} & set(self._state_tensors())
+        self.changed_state()
+        return sorted(buffers | self._touched)
+
+    def has_state(self) -> bool:
+        return bool(self._state_tensors())
 
     def changed_state(self) -> list[str]:
         """Names of state entries written since `mark_state`. An in-place write from Python
         bumps a tensor's version; BatchNorm's kernel updates its running statistics without
         one, so buffers (small) are compared with a copy of their agreed values."""
-        return [n for n, t in self._state_tensors().items()
-                if self._marks.get(n) != (t._version, t.data_ptr())
-                or (n in self._agreed and not torch.equal(t, self._agreed[n]))]
+        changed = [n for n, t in self._state_tensors().items()
+                   if self._marks.get(n) != (t._version, t.data_ptr())
+                   or (n in self._agreed and not torch.equal(t, self._agreed[n]))]
+        self._touched |= set(changed)
+        return changed
 
     def mark_state(self) -> None:
         tensors = self._state_tensors()

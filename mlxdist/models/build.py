@@ -168,7 +168,7 @@ def built_from_task(obj: Any, engine: str, device: Any, name: str) -> BuiltModel
         total = sum(v.size for v in everything.values())
         frozen = {n: v.astype(mx.float32) for n, v in everything.items() if n not in params}  # numpy has no bf16
         kept = f"; {human(sum(v.size for v in frozen.values()))} not trained by gradients (running statistics, " \
-               "frozen weights): saved, equal on every rank" if frozen else ""
+               "frozen weights): equal on every rank, saved once they change" if frozen else ""
     else:
         import torch
 

@@ -30,7 +30,7 @@ class StateSync:
     def __call__(self, engine, units: float) -> None:
         """Collective: every rank calls it after the same update, with the units it trained on."""
         if self.active is None:
-            self.active = self.world.size > 1 and bool(engine.state_names())
+            self.active = self.world.size > 1 and engine.has_state()
         if not self.active:
             return
         names = sorted(set().union(*self.world.allgather(engine.changed_state())))
