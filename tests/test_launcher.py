@@ -176,11 +176,11 @@ def test_mlxrun_rehearses_on_a_simulated_cluster(tmp_path):
     ok, why = available()
     if not ok:
         pytest.skip(why)
-    with SimCluster(2, name="mlxlt", subnet="10.79.0"):
-        r = _mlxrun("--simcluster", "mlxlt", "--", "data.source=synthetic", "data.seq_len=16",
+    with SimCluster(2, name="mlxln", subnet="10.79.4"):  # a name and subnet no other test file uses
+        r = _mlxrun("--simcluster", "mlxln", "--", "data.source=synthetic", "data.seq_len=16",
                     "train.steps=2", "metrics.port=0", f"train.out_dir={tmp_path}", "dist.backend=mlx-mpi")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "on mlxlt1, mlxlt2" in r.stderr and (tmp_path / "checkpoints" / "step_00000002").is_dir()
+    assert "on mlxln1, mlxln2" in r.stderr and (tmp_path / "checkpoints" / "step_00000002").is_dir()
     r = _mlxrun("--simcluster", "nosuchcluster", "--dry-run")
     assert r.returncode == 2 and "launch/simcluster up" in r.stderr
 

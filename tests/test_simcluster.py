@@ -367,18 +367,18 @@ def test_unavailable_says_how(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.cluster
 def test_found_by_name_wherever_its_state_lives(tmp_path: Path) -> None:
     _need_cluster()
-    c = SimCluster(2, name="mlxlt", subnet="10.79.0", state_dir=tmp_path)
+    c = SimCluster(2, name="mlxsf", subnet="10.79.5", state_dir=tmp_path)
     try:
         c.up()
-        found = simcluster.find_cluster("mlxlt")
+        found = simcluster.find_cluster("mlxsf")
         assert found.state_dir == tmp_path and found.hosts == c.hosts
         assert simcluster.find_cluster(str(tmp_path)).n_hosts == 2
-        sub = c.subset_hostfile(["mlxlt2"])
-        assert sub.read_text() == "10.79.0.2 slots=1\n"
+        sub = c.subset_hostfile(["mlxsf2"])
+        assert sub.read_text() == "10.79.5.2 slots=1\n"
         with pytest.raises(KeyError, match="not in 1..2"):
             c.subset_hostfile([3])
     finally:
         c.down()
     assert not sub.exists()
     with pytest.raises(LookupError, match="simcluster up"):
-        simcluster.find_cluster("mlxlt")
+        simcluster.find_cluster("mlxsf")
