@@ -64,3 +64,19 @@ def checksum(arrays: Iterable[np.ndarray]) -> int:
     for a in arrays:
         crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
     return crc
+
+
+def task_optimizers(task, model, kind: type, what: str) -> list:
+    """What the task's `optimizer(model)` returned, as a list of `kind`; one line naming the
+    task when it raises or returns something else."""
+    from ..tasks import TaskError
+
+    try:
+        made = task.optimizer(model)
+    except Exception as e:
+        raise TaskError(f"task {task.name}: optimizer(model) raised {type(e).__name__}: {e}") from None
+    opts = list(made) if isinstance(made, (list, tuple)) else [made]
+    for o in opts:
+        if not isinstance(o, kind):
+            raise TaskError(f"task {task.name}: optimizer(model) returned {type(o).__name__}, not {what}")
+    return opts

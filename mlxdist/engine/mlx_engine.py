@@ -23,7 +23,7 @@ from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
-from .common import check_weights, checksum, decays, sample_tokens
+from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mlx_memory_limit, with_override
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -74,13 +74,12 @@ class MLXEngine:
             return None
         import mlx.optimizers as optim
 
-        try:
-            opt = task.optimizer(self.model)
-        except Exception as e:
-            raise TaskError(f"task {task.name}: optimizer(model) raised {type(e).__name__}: {e}") from None
-        if not isinstance(opt, optim.Optimizer):
-            raise TaskError(f"task {task.name}: optimizer(model) returned {type(opt).__name__}, not an "
-                            "mlx.optimizers.Optimizer (for several, mlx.optimizers.MultiOptimizer)")
+        opts = task_optimizers(task, self.model, optim.Optimizer,
+                               "an mlx.optimizers.Optimizer (for several, mlx.optimizers.MultiOptimizer)")
+        if len(opts) != 1:
+            raise TaskError(f"task {task.name}: optimizer(model) returned {len(opts)} optimizers; the MLX engine "
+                            "takes one (for several, mlx.optimizers.MultiOptimizer)")
+        opt = opts[0]
         if callable(opt.learning_rate) and not isinstance(opt.learning_rate, mx.array):
             raise TaskError(f"task {task.name}: the optimizer has its own learning-rate schedule; give it a number "
                             "and set train.schedule / train.lr, which scale it each step")

@@ -31,11 +31,11 @@ import torch
 from ..config import Config
 from ..models.build import built_from_task
 from ..models.presets import ModelArgs
-from ..tasks import Batch, Task, TaskContext, TaskError, sample_seeds_of, tree_map
+from ..tasks import Batch, Task, TaskContext, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
-from .common import check_weights, checksum, decays, sample_tokens
+from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mps_reading, process_reading, with_override
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -243,15 +243,7 @@ class TorchEngine:
             return [torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}],
                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=self.fused or None)]
-        try:
-            made = task.optimizer(self.model)
-        except Exception as e:
-            raise TaskError(f"task {task.name}: optimizer(model) raised {type(e).__name__}: {e}") from None
-        opts = list(made) if isinstance(made, (list, tuple)) else [made]
-        for o in opts:
-            if not isinstance(o, torch.optim.Optimizer):
-                raise TaskError(f"task {task.name}: optimizer(model) returned {type(o).__name__}, not a "
-                                "torch.optim.Optimizer (or a list of them)")
+        opts = task_optimizers(task, self.model, torch.optim.Optimizer, "a torch.optim.Optimizer (or a list of them)")
         covered = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
         idle = [n for n, p in zip(self._names, self._params, strict=True) if id(p) not in covered]
         if idle:

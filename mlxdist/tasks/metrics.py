@@ -59,10 +59,14 @@ class MetricSums:
             if count is not None:
                 entry[1] = (entry[1] or 0.0) + to_float(count)
 
-    def flat(self, units: float) -> list[float]:
-        """[sum, count] per name in name order (the same on every rank), count = units when unnamed."""
-        return [x for name in sorted(self.sums) for x in (self.sums[name][0],
-                                                          units if self.sums[name][1] is None else self.sums[name][1])]
+    def flat(self, units: float, names: list[str] | None = None) -> list[float]:
+        """[sum, count] per name in name order (the same on every rank), count = units when unnamed;
+        `names` (e.g. rank 0's) gives zeros for a name this rank never saw."""
+        out = []
+        for name in sorted(self.sums) if names is None else names:
+            total, count = self.sums.get(name, (0.0, None))
+            out += [total, units if count is None else count]
+        return out
 
     def names(self) -> list[str]:
         return sorted(self.sums)

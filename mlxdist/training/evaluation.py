@@ -40,11 +40,5 @@ class Evaluator:
         # Every rank sums the same names, also one that got no eval batch (its first micro-batch
         # would have named them): the names come from rank 0.
         names = self.world.bcast(metrics.names())
-        flat = [x for n in names for x in (metrics.sums.get(n, [0.0, None])[0],
-                                           _count(metrics.sums.get(n, [0.0, None])[1], units))]
-        loss_sum, units, *flat = self.world.allreduce_sum([loss_sum, units, *flat])
+        loss_sum, units, *flat = self.world.allreduce_sum([loss_sum, units, *metrics.flat(units, names)])
         return loss_sum / max(units, 1), means(names, flat)
-
-
-def _count(count: float | None, units: float) -> float:
-    return units if count is None else count
