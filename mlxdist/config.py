@@ -102,6 +102,10 @@ class TrainConfig:
     beta2: float = field(default=0.95, metadata=_range(0.0, 1.0))
     eps: float = field(default=1e-8, metadata=_range(0.0, 1.0))
     grad_clip: float = field(default=1.0, metadata=_range(0.0))
+    ema: float | None = field(default=None, metadata=_range(
+        0.0, 1.0, help="decay of an EMA copy of the weights (e.g. 0.999): evaluated, saved beside them, exported"))
+    sync_batchnorm: bool = field(default=False, metadata=_help(
+        "torch tasks: BatchNorm batch statistics over every rank's samples (SyncBatchNorm, weighted by counts)"))
     eval_every: int = field(default=100, metadata=_range(0))
     eval_batches: int = field(default=4, metadata=_range(0, help="0: the whole eval set, each sample once"))
     log_every: int = field(default=10, metadata=_range(1))
@@ -391,7 +395,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _merge(data, parse_override(text))
     warnings: list[str] = []
     try:
-        _check_task_keys(data)
         cfg = _build(Config, data, "", warnings)
         validate(cfg)
     except ConfigError as e:
@@ -401,7 +404,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         warnings.append("checkpoint.zstd_level is no longer used: checkpoints are plain safetensors "
                         "(memory-mappable; zstd saved 7% at 3-7x the write time); remove the key")
     cfg.warnings = warnings  # logged once by the trainer
+    cfg.explicit = set_keys(data)  # a task's run refuses the built-in LM's keys it would ignore
     return cfg
+
+
+def set_keys(data: dict, prefix: str = "") -> set[str]:
+    """The dotted keys a YAML file and overrides set (`nodes:` and `task.args` as one key each)."""
+    keys: set[str] = set()
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and key not in ("nodes", "task.args"):
+            keys |= set_keys(v, key + ".")
+        else:
+            keys.add(key)
+    return keys
 
 
 def config_from_args(argv: list[str]) -> Config:
@@ -437,22 +453,6 @@ def config_from_args(argv: list[str]) -> Config:
     return load_config(path, overrides + ([f"checkpoint.resume={resume}"] if resume else []))
 
 
-# A task brings its own model and data: these keys would be silently ignored next to it.
-_BUILTIN_LM_KEYS = ("model.preset", "model.path", "model.quantize", "finetune", "data.source", "data.path")
-
-
-def _check_task_keys(data: dict) -> None:
-    task = data.get("task")
-    if not isinstance(task, dict) or not task.get("factory"):
-        return
-    for key in _BUILTIN_LM_KEYS:
-        section, _, name = key.partition(".")
-        node = data.get(section)
-        if isinstance(node, dict) and (not name or name in node) and (name or node):
-            raise ConfigError(f"task.factory and {key} are both set: a task brings its own model and data; "
-                              f"remove {key} (or task.factory to train the built-in LM)")
-
-
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single field's range cannot express."""
     if cfg.data.overlap >= cfg.data.seq_len:
@@ -467,6 +467,12 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
         raise ConfigError(f"checkpoint.resume: '{cfg.checkpoint.resume}' does not exist (use 'auto', 'none' or a checkpoint dir)")
     cfg.train.report_to = ",".join(report_to_names(cfg.train.report_to)) or "none"
+    if cfg.train.ema is not None and not 0.0 < cfg.train.ema < 1.0:
+        raise ConfigError(f"train.ema: {cfg.train.ema} is the EMA's decay and must lie strictly between 0 and 1 "
+                          "(e.g. 0.999), or null for none")
+    if cfg.train.ema is not None and cfg.dist.mode == "diloco":
+        raise ConfigError("train.ema: with dist.mode=diloco the ranks hold different weights between rounds, so "
+                          "there is no one model to average each step; remove train.ema or use dist.mode=ddp")
 
 
 # Experiment trackers beside Prometheus (telemetry/trackers.py); each needs its optional extra.

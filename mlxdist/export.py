@@ -1,9 +1,12 @@
-"""`python -m mlxdist.export RUN_DIR --out DIR`: a trained pretrained-base run as a HF directory;
+"""`python -m mlxdist.export RUN_DIR --out DIR`: a trained pretrained-base run as a HF directory,
+or a run of a task (`task.factory`) as files its own code loads (`export_task.py`);
 `--base DIR --adapter ADAPTER --format mlx-lm|fused`: an adapter for mlx-lm, or merged.
 
 The directory (config.json, model.safetensors, tokenizer files) opens with transformers'
 `from_pretrained` and mlx-lm's `load` as it is, so a fine-tune leaves this project in the
-format every other tool reads, with no conversion step.
+format every other tool reads, with no conversion step. A task's export holds the model's
+whole state dict, which `load_state_dict(..., strict=True)` / MLX `load_weights(..., strict=True)`
+takes, an EMA copy, and a PEFT model's adapter directory.
 """
 
 from __future__ import annotations
@@ -73,10 +76,14 @@ def export_hf(weights: dict[str, np.ndarray], base_path: str | os.PathLike, out_
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.export",
-                                description="Export a run's newest valid checkpoint as a Hugging Face directory.")
+                                description="Export a run's newest valid checkpoint: a pretrained model's run as a "
+                                            "Hugging Face directory; a task's run (task.factory) as the model's whole "
+                                            "state dict, its EMA and a PEFT adapter, for your own code (run it from "
+                                            "the directory you trained from, so the task's module imports).")
     p.add_argument("run_dir", nargs="?", help="the run directory (holds checkpoints/)")
     p.add_argument("--out", required=True, help="directory to write (must be empty or absent)")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="dtype of the written weights")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                   help="dtype of the written weights (default float32; a task's export keeps the model's own dtypes)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     p.add_argument("--base", help="with --adapter: the base model directory (Hugging Face layout)")
     p.add_argument("--adapter", help="a PEFT adapter dir (adapter_config.json + adapter_model.safetensors)")
@@ -98,22 +105,52 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
         print(f"error: --out {out}: exists and is not empty; pass --force to write into it", file=sys.stderr)
         return 2
-    loaded = ckpt.load_latest(Path(args.run_dir) / "checkpoints", warn=lambda m: print(m, file=sys.stderr))
-    if loaded is None:
-        print(f"error: {args.run_dir}: no valid checkpoint in {Path(args.run_dir) / 'checkpoints'}", file=sys.stderr)
+    checkpoints = Path(args.run_dir) / "checkpoints"
+    if out.resolve().is_relative_to(checkpoints.resolve()):
+        print(f"error: --out {out}: inside the run's checkpoints ({checkpoints}); export writes elsewhere",
+              file=sys.stderr)
         return 2
-    base = loaded.state.get("config", {}).get("model", {}).get("path")
+    loaded = ckpt.load_latest(checkpoints, warn=lambda m: print(m, file=sys.stderr))
+    if loaded is None:
+        print(f"error: {args.run_dir}: no valid checkpoint in {checkpoints}", file=sys.stderr)
+        return 2
+    config = loaded.state.get("config", {})
+    if (config.get("task") or {}).get("factory"):
+        return _export_task(loaded, out, args.dtype)
+    base = config.get("model", {}).get("path")
     if not base:
         print(f"error: {loaded.path}: the run did not start from a pretrained model (model.path is unset); "
               "export needs its base's config and tokenizer", file=sys.stderr)
         return 2
     try:
-        export_hf(loaded.weights, base, out, args.dtype)
+        export_hf(loaded.weights, base, out, args.dtype or "float32")
     except (ExportError, PretrainedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported {loaded.path.name} to {out}; open it with transformers' "
           f"AutoModelForCausalLM.from_pretrained('{out}') or mlx_lm.load('{out}')")
+    return 0
+
+
+def _export_task(loaded, out: Path, dtype: str | None) -> int:
+    """A task's run: the model rebuilt by its factory, the checkpoint over it, the whole state out."""
+    from .export_task import TaskExportError, export_task
+
+    factory = loaded.state["config"]["task"]["factory"]
+    if dtype is not None:
+        print(f"error: --dtype {dtype}: a task's export ({factory}) writes each tensor in the model's own dtype; "
+              "drop --dtype (cast in your own code after loading)", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = export_task(loaded, out)
+    except TaskExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {loaded.path.name} of task {factory} to {out} ({', '.join(result.files)}); load it in your "
+          "own code (README.txt there says how):")
+    for line in result.lines:
+        print(f"  {line}")
     return 0
 
 

@@ -124,7 +124,7 @@ def test_resume_of_a_task_run_equals_no_interruption(tmp_path):
     (["task.factory=user_tasks:no_such_name"], "module user_tasks (" ),
     (["task.factory=user_tasks:not_a_task"], "returned dict, not an mlxdist.Task"),
     (["task.factory=user_tasks:mlx_mlp", "task.args={vector: true}"], "returned shape (8,), not a scalar"),
-    (["task.factory=user_tasks:mlx_mlp", "model.preset=small"], "task.factory and model.preset are both set"),
+    (["task.factory=user_tasks:mlx_mlp", "model.preset=small"], "model.preset is set, but a task brings its own"),
 ])
 def test_bad_tasks_get_one_line_and_exit_2(tmp_path, args, message):
     r = _train([*args, "train.steps=2", "train.batch_size=8", f"train.out_dir={tmp_path}"])

@@ -336,3 +336,60 @@ def raises_in_loss(n: int = 64) -> mlxdist.Task:
 
     task.loss = loss
     return task
+
+
+def with_hooks(out: str, fail: str = "", engine: str = "mlx") -> mlxdist.Task:
+    """Rank 0's hooks as a recipe uses them: eval results and a "sample" per checkpoint written
+    to files; `fail` names a hook that raises."""
+    import json
+    from pathlib import Path
+
+    task = mlx_mlp() if engine == "mlx" else torch_batchnorm()
+    task.eval_dataset = Regression(64, seed=1)
+
+    def on_eval(model, step, metrics):
+        if fail == "on_eval":
+            raise ValueError("no plotting backend")
+        with open(Path(out) / "evals.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "metrics": metrics, "training": bool(model.training),
+                                "rank": os.environ.get("OMPI_COMM_WORLD_RANK", "0")}) + "\n")
+
+    def on_checkpoint(model, directory, step):
+        if fail == "on_checkpoint":
+            raise ValueError("disk quota")
+        (Path(directory) / "sample.txt").write_text(f"step {step}\n")
+
+    task.on_eval, task.on_checkpoint = on_eval, on_checkpoint
+    return task
+
+
+def torch_carry(n: int = 256, stateful: bool = True) -> mlxdist.Task:
+    """A task that carries state between steps, as a recursive model carries its latent: a
+    running mean of the inputs it has seen, added to every input, and a count of the batches."""
+    import torch
+
+    task = torch_mlp(n)
+    carry = {"mean": torch.zeros(8), "batches": 0}
+
+    def loss(model, batch):
+        x = batch["x"] + carry["mean"]
+        carry["mean"] = 0.8 * carry["mean"] + 0.2 * batch["x"].mean(dim=0).detach()
+        carry["batches"] += 1
+        return ((model(x) - batch["y"]) ** 2).sum()
+
+    def load_state_dict(state):
+        carry["mean"] = torch.as_tensor(state["carry"]["mean"])
+        carry["batches"] = int(state["carry"]["batches"])
+
+    task.loss = loss
+    if stateful:
+        task.state_dict = lambda: {"carry": dict(carry)}
+        task.load_state_dict = load_state_dict
+    return task
+
+
+def reads_seq_len() -> mlxdist.Task:
+    """A task that reads a key of the built-in LM's sections from ctx.config, and says so."""
+    task = mlx_mlp()
+    task.config_keys = ("data.seq_len",)
+    return task

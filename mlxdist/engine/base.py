@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -55,6 +55,7 @@ class StepStats:
 
 class Engine(Protocol):
     name: str
+    model: Any  # the task's module (torch.nn.Module / mlx.nn.Module), as its hooks receive it
     device: str
     model_summary: str  # banner line: which model, how many (trainable) parameters
     base_fingerprint: str | None  # of a pretrained base (every rank must train the same one)

@@ -4,6 +4,8 @@ Layout of one checkpoint, `<dir>/step_00001200/`:
   model.safetensors          fp32 weights by parameter name (shared by both engines)
   optimizer.safetensors      AdamW moments `m.<name>`, `v.<name>`
   sync.safetensors           the sync strategy's shared arrays (DiLoCo's outer momentum), if any
+  ema.safetensors            the EMA copy of the weights (`train.ema`), if any
+  task.safetensors           what a task carries between steps, each rank's as `rank<r>/<key>`, if any
   state.json                 step, sampler position, run id, controllers, resolved config
   manifest.json              sha256 and size of each file above, and the run id; written last
 
@@ -41,6 +43,7 @@ import zstandard
 from safetensors import SafetensorError
 
 MANIFEST = "manifest.json"
+EXTRA_FILES = ("ema", "task")  # array files of optional parts, beside model, optimizer and sync
 _UMASK = os.umask(0o22)
 os.umask(_UMASK)
 
@@ -179,6 +182,7 @@ class Loaded:
     optimizer: dict[str, np.ndarray]
     state: dict[str, Any]
     sync: dict[str, np.ndarray] = field(default_factory=dict)
+    extra: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # ema, task: files of optional parts
 
     @property
     def meta(self) -> CheckpointMeta:
@@ -195,7 +199,8 @@ def _signature(path: Path) -> tuple:
 
 
 def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
-         state: dict[str, Any], sync: dict[str, np.ndarray] | None = None) -> Path:
+         state: dict[str, Any], sync: dict[str, np.ndarray] | None = None,
+         extra: dict[str, dict[str, np.ndarray]] | None = None) -> Path:
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -204,8 +209,8 @@ def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optim
         shutil.rmtree(tmp)
     tmp.mkdir()
     names = []
-    for name, arrays in (("model", weights), ("optimizer", optimizer), ("sync", sync or {})):
-        if arrays or name != "sync":
+    for name, arrays in (("model", weights), ("optimizer", optimizer), ("sync", sync or {}), *(extra or {}).items()):
+        if arrays or name in ("model", "optimizer"):
             names.append(array_file(name, None))
             write_arrays(tmp / names[-1], arrays)
     names.append("state.json")
@@ -301,7 +306,8 @@ def load(path: str | Path, verified: bool = False) -> Loaded:
     legacy = [k for k in optimizer if k.startswith("outer.")]
     sync.update({k[len("outer."):]: optimizer.pop(k) for k in legacy})
     return Loaded(path=p, weights=arrays("model"), optimizer=optimizer,
-                  state=json.loads((p / "state.json").read_text()), sync=sync)
+                  state=json.loads((p / "state.json").read_text()), sync=sync,
+                  extra={name: arrays(name) for name in EXTRA_FILES if (p / array_file(name, None)).is_file()})
 
 
 def load_latest(directory: str | Path, warn=print) -> Loaded | None:

@@ -126,7 +126,7 @@ class Stateful(Protocol):
         their key (`model`, `optimizer`, `sync`)."""
 
 
-ARRAY_FILES = ("model", "optimizer", "sync")
+ARRAY_FILES = ("model", "optimizer", "sync", *ckpt.EXTRA_FILES)
 
 
 def gather_states(states: Mapping[str, Stateful], writes: bool = True
@@ -189,7 +189,7 @@ class Checkpointer:
         if not self.writes:
             return None
         path = ckpt.save(self.write_dir, step, files.get("model", {}), files.get("optimizer", {}), state,
-                         sync=files.get("sync"))
+                         sync=files.get("sync"), extra={k: files[k] for k in ckpt.EXTRA_FILES if k in files})
         ckpt.apply_retention(self.write_dir, self.cfg.keep_last, self.cfg.keep_best,
                              run_ids=self.lineage if self.lineage is not None else {state.get("run_id")}, newest=path)
         return path, time.perf_counter() - t0

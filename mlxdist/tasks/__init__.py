@@ -62,6 +62,15 @@ class Task:
       evaluation), drawing only from `rng`, a `numpy.random.Generator` seeded by (train.seed,
       the sample's stream position): the same on every rank, in any split, after a resume.
       Randomness in the model (dropout) draws from `sample_seeds()` inside `loss`.
+    - `state_dict()` / `load_state_dict(state)`: what the task carries between steps besides
+      the model (a recursive model's carry, a curriculum's counters): a dict of arrays, tensors
+      and numbers, this rank's own, saved in every checkpoint and handed back on resume.
+    - `on_eval(model, step, metrics)` / `on_checkpoint(model, directory, step)`: rank 0's hooks
+      after each evaluation (the model holds the EMA weights when `train.ema` is set; metrics
+      include `loss`) and after each checkpoint (`directory` is the checkpoint's; files written
+      there are kept and removed with it).
+    - `config_keys`: the `model.*`, `data.*`, `finetune.*` keys the task reads from
+      `ctx.config`; any other such key set in the config is an error (it would do nothing).
     """
 
     build: Callable[[TaskContext], Any]
@@ -75,6 +84,11 @@ class Task:
     name: str = field(default="task", repr=False)  # banner and messages: the factory's name
     data_summary: str | None = field(default=None, repr=False)  # banner line; default: its length
     augment: Callable[[Any, np.random.Generator], Any] | None = None
+    state_dict: Callable[[], dict] | None = None
+    load_state_dict: Callable[[dict], None] | None = None
+    on_eval: Callable[[Any, int, dict[str, float]], None] | None = None
+    on_checkpoint: Callable[[Any, Any, int], None] | None = None
+    config_keys: tuple[str, ...] = ()
 
     def make_batch(self, dataset: Any, indices) -> Batch:
         """The collated batch of these dataset indices, counted once here in numpy. Indices

@@ -76,6 +76,28 @@ def checked(task: Any, where: str, name: str | None = None) -> Task:
     return task
 
 
+# Keys of the built-in LM's sections that a task's run still uses.
+_APPLY_TO_TASKS = ("model.dtype", "data.prefetch")
+
+
+def check_keys_apply(cfg: Config, task: Task) -> None:
+    """A task brings its own model and data: a `model.*`, `data.*` or `finetune.*` key set in
+    the config would change nothing, unless the task reads it (`Task.config_keys`)."""
+    declared = set(task.config_keys)
+    unknown = sorted(k for k in declared if k.split(".")[0] not in ("model", "data", "finetune"))
+    if unknown:
+        raise TaskError(f"task {task.name}: config_keys names {', '.join(unknown)}; it lists the model.*, data.* "
+                        "and finetune.* keys the task reads (the others always apply)")
+    ignored = sorted(k for k in getattr(cfg, "explicit", ()) if k.split(".")[0] in ("model", "data", "finetune")
+                     and k not in _APPLY_TO_TASKS and k not in declared)
+    if ignored:
+        one = len(ignored) == 1
+        it = "it" if one else "them"
+        raise TaskError(f"task {task.name}: {', '.join(ignored)} {'is' if one else 'are'} set, but a task brings its "
+                        f"own model and data, so {it} would change nothing; remove {it}, or, where the task reads "
+                        f"{it} from ctx.config, list {it} in Task(config_keys=(...))")
+
+
 def resolve_task(cfg: Config, say: Callable[[str], None] | None = None) -> Task:
     """The config's task: its factory's, or the built-in LM's (presets, pretrained, LoRA)."""
     if cfg.task.factory:

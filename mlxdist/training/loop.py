@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -35,15 +36,17 @@ from ..state.checkpointer import Checkpointer, describe, others_in, remove_run
 from ..sync.strategy import SyncStrategy, make_strategy, share_state
 from ..tasks import Batch, Task
 from ..tasks.fingerprint import check_same, fingerprint
-from ..tasks.load import resolve_task
+from ..tasks.load import check_keys_apply, resolve_task
 from ..telemetry.events import EventLog, Progress
 from ..telemetry.metrics import Metrics
 from ..telemetry.reporter import Log, Reporter
 from ..telemetry.trackers import start_trackers
 from . import faults
+from .ema import EMA
 from .evaluation import Evaluator
+from .hooks import HookError, Hooks
 from .next_steps import next_line, spelling
-from .states import ClusterInfo, ModelState
+from .states import ClusterInfo, ModelState, TaskState
 
 
 class Trainer:
@@ -78,6 +81,8 @@ class Trainer:
         self.state = ckpt.RunState(run_id=run_id)
         self._builtin_lm = task is None and not cfg.task.factory
         self.task = task or resolve_task(cfg, self.report.say if w.is_main else None)
+        if not self._builtin_lm:
+            check_keys_apply(cfg, self.task)
         progress.unit = self.task.unit
         check_same(w.allgather(fingerprint(self.task, cfg.task.args)), self.hosts, self.task.name)
         node = cfg.node_for(w.host, w.rank)
@@ -96,8 +101,12 @@ class Trainer:
         self.ctl = Controllers.build(cfg, plan, my_micro, node.memory_target, w.size, w.rank, w.allgather)
         self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir, host=w.host, rank=w.rank,
                                         local_rank=w.local_rank)
+        self.ema = EMA(cfg.train.ema, w) if cfg.train.ema else None
+        self.task_state = TaskState(self.task, w) if self.task.state_dict is not None else None
+        self.hooks = Hooks(self.task, w)
         self.parts = {"run": self.state, "controllers": self.ctl, "model": ModelState(self.engine, self.sync),
                       "cluster": ClusterInfo(w.size, self.hosts, cfg.to_dict())}
+        self.parts |= {name: part for name, part in (("ema", self.ema), ("task", self.task_state)) if part}
         self.stop_reason: str | None = None
         self.self_check = SelfCheck(cfg.dist.sync_weights_every if self.sync.drift_check else 0)
         self._drift_restored_to: int | None = None
@@ -135,7 +144,7 @@ class Trainer:
                 memory = self.adapt(compute_s)
                 if self.check_drift():
                     continue
-                self.after_step()
+                self.after_step(stats)
                 if trains:
                     self.report_step(stats, lr, compute_s, memory, time.perf_counter() - t_step)
                 last = self.state.step >= self.cfg.train.steps or self.stop_reason is not None
@@ -275,11 +284,13 @@ class Trainer:
         self.report.emit("drift_repair", f"drift: step {step}: {verdict.message}", **fields)
         return False
 
-    def after_step(self) -> None:
+    def after_step(self, stats: StepStats) -> None:
         """Whatever the sync strategy has due after an update (DiLoCo: outer syncs; all of them
-        when the run reaches train.steps, so it ends on one model)."""
+        when the run reaches train.steps, so it ends on one model), then the weights' average."""
         ended = self.state.step >= self.cfg.train.steps
         self._report(self.sync.after_step(self.engine, self.state.step, self.plan.shares[self.world.rank], ended))
+        if self.ema is not None and not stats.skipped:
+            self.ema.update(self.engine)
 
     def report_step(self, stats: StepStats, lr: float, compute_s: float, memory: MemoryReading,
                     step_s: float) -> None:
@@ -305,10 +316,17 @@ class Trainer:
     def evaluate(self) -> bool:
         """Held-out loss, then the policies that read it. True when early stopping says stop."""
         s = self.state
-        s.eval_loss, metrics = self.evaluator.run(self.engine, self.plan.micro[self.world.rank])
-        shown = "".join(f", {k} {v:.4g}" for k, v in metrics.items())
-        self.report.emit("eval", f"eval: step {s.step}: loss {s.eval_loss:.4f}{shown}", step=s.step,
-                         eval_loss=s.eval_loss, metrics=metrics)
+        try:
+            with self.ema.applied(self.engine) if self.ema else nullcontext():
+                s.eval_loss, metrics = self.evaluator.run(self.engine, self.plan.micro[self.world.rank])
+                shown = "".join(f", {k} {v:.4g}" for k, v in metrics.items())
+                self.report.emit("eval", f"eval: step {s.step}: {'EMA ' if self.ema else ''}loss {s.eval_loss:.4f}"
+                                 f"{shown}", step=s.step, eval_loss=s.eval_loss, metrics=metrics, ema=bool(self.ema))
+                self.hooks.call("on_eval", self.engine.model, s.step, {"loss": s.eval_loss} | metrics,
+                                kept=f"a checkpoint of step {s.step} is written before the run stops")
+        except HookError:
+            self.save_checkpoint()
+            raise
         if s.best_eval is None or s.eval_loss < s.best_eval:
             s.best_eval = s.eval_loss
         if self.ctl.plateau is not None:
@@ -334,6 +352,8 @@ class Trainer:
         # Peers wait here, with a longer stall allowance, rather than in the next step's
         # exchange, where a big model's slow save would look like a dead rank.
         self.world.barrier("waiting for the checkpoint writers", patience=10)
+        self.hooks.call("on_checkpoint", self.engine.model, written[0] if written else None, step,
+                        kept=f"the checkpoint of step {step} was written before it")
 
     def restore(self, loaded: ckpt.Loaded | None, rolling_back: bool = False) -> None:
         """Rank 0 read the checkpoint (or nothing); every rank ends with rank 0's complete
@@ -352,6 +372,7 @@ class Trainer:
             self.report.say(f"resumed from {loaded.path} (step {loaded.meta.run.step}, "
                             f"saved by {loaded.meta.world_size} rank(s))")
         share_state(self.world, self.engine, 0)
+        self._restore_parts(loaded)
         state = self.world.bcast(state)
         if state is None:
             self.checkpoints.lineage = {self.state.run_id}
@@ -372,6 +393,16 @@ class Trainer:
         shared = self.world.bcast(loaded.sync if self.world.is_main else None)
         self._report(self.sync.load_state_dict(shared, self.run_dir / "rank_state", meta.run.step, self.engine,
                                                meta.optimizer_step))
+
+    def _restore_parts(self, loaded: ckpt.Loaded | None) -> None:
+        """The optional parts (the weights' average, the task's carried state) from rank 0's
+        read of the checkpoint, or afresh."""
+        extra = loaded.extra if loaded is not None else None
+        notes = [self.ema.start(self.engine, None if extra is None else extra.get("ema", {})) if self.ema else None,
+                 self.task_state.load(None if extra is None else extra.get("task", {})) if self.task_state else None]
+        for note in notes:
+            if note and self.world.is_main:
+                self.report.say(note)
 
     def finish(self, stats: StepStats | None) -> None:
         s = self.state

@@ -1,0 +1,405 @@
+"""`python -m mlxdist.export RUN --out DIR` for a run that trained a Task: files the user's own code loads.
+
+The checkpoint holds the trained parameters and the rest of the state that ever changed
+(buffers, BatchNorm statistics); a frozen base that never changed is not in it, only its
+fingerprint. So the model is rebuilt here as the engine built it (the task's `build(ctx)`, same
+seed, on the CPU), the checkpoint is loaded over it, and the model's *whole* state is written:
+
+  model.safetensors       torch `model.state_dict()` / MLX `tree_flatten(model.parameters())`, each
+                          tensor in the model's own dtype: `load_state_dict(..., strict=True)` /
+                          `model.load_weights(path, strict=True)` take it as it is
+  model_ema.safetensors   the same with the checkpoint's EMA (`train.ema`) over it, if it has one
+  adapter/                a PEFT model's adapter (`save_pretrained`), read by
+                          `PeftModel.from_pretrained(base_model, DIR/adapter)`
+  README.txt              how to load each file
+
+Each file is loaded strictly into a freshly built model and compared with what was written
+before the export counts as done; everything is written into a temporary directory first, so
+a failed export leaves no half of one behind. The run's checkpoints are only read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ConfigError, config_from_dict
+from .state import checkpoint as ckpt
+from .tasks import Task, TaskContext
+from .tasks.load import task_from_factory
+
+
+class TaskExportError(ValueError):
+    """One line, exit code 2."""
+
+
+def _few(names: list[str] | set[str], n: int = 3) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+@dataclass
+class Result:
+    files: list[str]  # written into --out, in order
+    lines: list[str]  # what to print: one per file, how to load it
+
+
+# ------------------------------------------------------------------------------------------------
+# One engine's way of holding a model: its names, its arrays, how they are read and written
+
+
+class _Torch:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def seed(self, seed: int) -> None:
+        self.torch.manual_seed(seed)
+
+    def state(self, model) -> dict[str, Any]:
+        return dict(model.state_dict(keep_vars=True))
+
+    def trained(self, model) -> set[str]:
+        return {n for n, p in model.named_parameters() if p.requires_grad}
+
+    def shape(self, t) -> tuple[int, ...]:
+        return tuple(t.shape)
+
+    @staticmethod
+    def flipped(name: str) -> bool:
+        """The torch engine stores a trained `*.lora_a` / `*.lora_b` transposed (mlx-lm's layout)."""
+        from .engine.torch_engine import _flipped
+
+        return _flipped(name)
+
+    def load(self, model, arrays: dict[str, np.ndarray], trained: set[str]) -> None:
+        tensors = self.state(model)
+        with self.torch.no_grad():
+            for n, a in arrays.items():
+                a = np.ascontiguousarray(a.T) if n in trained and self.flipped(n) else np.asarray(a)
+                tensors[n].copy_(self.torch.from_numpy(np.array(a)))  # copy_ casts to the tensor's dtype
+
+    def write(self, model, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        # Clones: tied weights share storage, which safetensors refuses; each name gets its own copy
+        # so that `load_state_dict(strict=True)` finds every key it asks for.
+        tensors = {n: t.detach().to("cpu").clone(memory_format=self.torch.contiguous_format)
+                   for n, t in model.state_dict().items()}
+        save_file(tensors, str(path), metadata={"format": "pt"})
+
+    def load_strict(self, model, path: Path) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        saved = load_file(str(path))
+        _check_keys(path, set(self.state(model)), set(saved), type(model).__name__)
+        try:
+            model.load_state_dict(saved, strict=True)
+        except RuntimeError as e:
+            raise TaskExportError(f"{path.name} does not load strictly into a fresh {type(model).__name__}: "
+                                  f"{_first_line(e)}") from None
+        return saved
+
+    def differs(self, model, saved: dict[str, Any]) -> list[str]:
+        got = model.state_dict()
+        return [n for n, t in saved.items() if got[n].dtype != t.dtype or not self.torch.equal(got[n].cpu(), t)]
+
+    def dtypes(self, model) -> dict[str, str]:
+        return {n: str(t.dtype).removeprefix("torch.") for n, t in model.state_dict().items()}
+
+
+class _MLX:
+    name = "mlx"
+
+    def __init__(self):
+        import mlx.core as mx
+
+        self.mx = mx
+        mx.set_default_device(mx.cpu)
+
+    def seed(self, seed: int) -> None:
+        self.mx.random.seed(seed)
+
+    def state(self, model) -> dict[str, Any]:
+        from mlx.utils import tree_flatten
+
+        return dict(tree_flatten(model.parameters()))
+
+    def trained(self, model) -> set[str]:
+        from mlx.utils import tree_flatten
+
+        return {n for n, _ in tree_flatten(model.trainable_parameters())}
+
+    def shape(self, a) -> tuple[int, ...]:
+        return tuple(a.shape)
+
+    @staticmethod
+    def flipped(name: str) -> bool:
+        return False
+
+    def load(self, model, arrays: dict[str, np.ndarray], trained: set[str]) -> None:
+        from mlx.utils import tree_unflatten
+
+        current = self.state(model)
+        model.update(tree_unflatten([(n, self.mx.array(np.asarray(a)).astype(current[n].dtype))
+                                     for n, a in arrays.items()]))
+        self.mx.eval(model.parameters())
+
+    def write(self, model, path: Path) -> None:
+        self.mx.save_safetensors(str(path), self.state(model), metadata={"format": "mlx"})
+
+    def load_strict(self, model, path: Path) -> dict[str, Any]:
+        saved = self.mx.load(str(path))
+        _check_keys(path, set(self.state(model)), set(saved), type(model).__name__)
+        try:
+            model.load_weights(str(path), strict=True)
+        except ValueError as e:
+            raise TaskExportError(f"{path.name} does not load strictly into a fresh {type(model).__name__}: "
+                                  f"{_first_line(e)}") from None
+        return saved
+
+    def differs(self, model, saved: dict[str, Any]) -> list[str]:
+        got = self.state(model)
+        return [n for n, a in saved.items()
+                if got[n].dtype != a.dtype or not bool(self.mx.array_equal(got[n], a).item())]
+
+    def dtypes(self, model) -> dict[str, str]:
+        return {n: str(a.dtype).removeprefix("mlx.core.") for n, a in self.state(model).items()}
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())  # torch's message spans lines: one line, all of it
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _check_keys(path: Path, wanted: set[str], saved: set[str], cls: str) -> None:
+    missing, unexpected = wanted - saved, saved - wanted
+    if missing or unexpected:
+        parts = ([f"missing keys {_few(missing)}"] if missing else []) + \
+                ([f"unexpected keys {_few(unexpected)}"] if unexpected else [])
+        raise TaskExportError(f"{path.name} does not load strictly into a fresh {cls}: {'; '.join(parts)}")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def find_peft(model: Any) -> Any:
+    """The `peft.PeftModel` in a torch model: the model itself, its `.peft` attribute (how the
+    built-in LM holds one, outside its children), or a child module; None without one."""
+    peft = sys.modules.get("peft")  # a PeftModel exists only where peft was imported
+    if peft is None:
+        return None
+    kind = peft.PeftModel
+    if isinstance(model, kind):
+        return model
+    attr = getattr(model, "peft", None)
+    if isinstance(attr, kind):
+        return attr
+    for m in model.modules() if hasattr(model, "modules") else ():
+        if isinstance(m, kind):
+            return m
+    return None
+
+
+class _Build:
+    """The task's model as the engine built it: same seed, same context, on the CPU."""
+
+    def __init__(self, task: Task, cfg, engine: Any, micro_batch: int):
+        self.task, self.cfg, self.engine, self.micro_batch = task, cfg, engine, micro_batch
+
+    def __call__(self) -> tuple[Any, str | None]:
+        from .models.build import built_from_task
+
+        self.engine.seed(self.cfg.train.seed)
+        ctx = TaskContext(self.engine.name, "cpu", self.cfg.train.seed, self.cfg, self.micro_batch)
+        try:
+            obj = self.task.build(ctx)
+        except Exception as e:  # noqa: BLE001 - the user's build failed: say where, exit 2
+            raise TaskExportError(f"task {self.task.name}: build(ctx) raised {type(e).__name__}: "
+                                  f"{_first_line(e)}") from None
+        built = built_from_task(obj, self.engine.name, "cpu", self.task.name)
+        if hasattr(built.module, "eval"):
+            built.module.eval()
+        return built.module, built.fingerprint
+
+
+def export_task(loaded: ckpt.Loaded, out: str | os.PathLike) -> Result:
+    """Write the task run's checkpoint `loaded` into `out` (which exists and may hold files,
+    replaced by name). Raises TaskExportError (one line) for anything the user must fix."""
+    state = loaded.state
+    try:
+        cfg = config_from_dict(state.get("config", {}))
+    except ConfigError as e:
+        raise TaskExportError(f"{loaded.path}: its saved config does not read: {e}") from None
+    engine_name = state.get("engine", "mlx")
+    try:
+        engine = _Torch() if engine_name == "torch" else _MLX()
+    except ImportError as e:
+        raise TaskExportError(f"{loaded.path}: trained on the {engine_name} engine, and {e.name} does not import "
+                              f"here: {e}") from None
+    try:
+        task = task_from_factory(cfg.task.factory, dict(cfg.task.args))
+        micro = (state.get("controllers") or {}).get("micro") or [cfg.train.batch_size]
+        build = _Build(task, cfg, engine, int(micro[0]))  # rank 0's micro-batch when it was saved
+        model, fingerprint = build()
+    except ConfigError as e:  # TaskError is one
+        raise TaskExportError(str(e)) from None
+    where = f"{loaded.path.name} of task {task.name}"
+    trained_at = state.get("base_fingerprint")
+    if trained_at and fingerprint and trained_at != fingerprint:
+        raise TaskExportError(f"{where}: the frozen weights build(ctx) makes here ({fingerprint}) are not the ones "
+                              f"the run trained on ({trained_at}); they are not in the checkpoint, so export needs "
+                              "the same base: the same files and settings build() reads")
+
+    tensors, trained = engine.state(model), engine.trained(model)
+    weights = loaded.weights
+    unknown = set(weights) - set(tensors)
+    if unknown:
+        raise TaskExportError(f"{where}: holds {len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} the model "
+                              f"built by {task.name} lacks: {_few(unknown)} (was the model changed since the run?)")
+    lacking = trained - set(weights)
+    if lacking:
+        raise TaskExportError(f"{where}: lacks {len(lacking)} trained parameter(s) of the model built by {task.name}: "
+                              f"{_few(lacking)} (was the model changed since the run?)")
+    _check_shapes(where, engine, tensors, weights, trained)
+    ema = loaded.extra.get("ema") or {}
+    if ema:
+        stray = set(ema) - set(tensors)
+        if stray:
+            raise TaskExportError(f"{loaded.path.name}/ema.safetensors: {_few(stray)} not in the model built by "
+                                  f"{task.name}")
+        _check_shapes(f"{loaded.path.name}/ema.safetensors", engine, tensors, ema, trained)
+
+    out = Path(out)
+    tmp = out / f".export-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        written = _write(engine, model, trained, weights, ema, tmp)
+        del model, tensors
+        _verify(engine, build, tmp, written)
+        readme = _readme(engine.name, loaded, task.name, written, out)
+        (tmp / "README.txt").write_text(readme)
+        written.append("README.txt")
+        umask = os.umask(0)
+        os.umask(umask)
+        for name in written:
+            if (tmp / name).is_file():  # the safetensors package makes its files 0600
+                os.chmod(tmp / name, 0o666 & ~umask)
+            dest = out / name
+            if dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)
+            os.replace(tmp / name, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Result(written, _lines(engine.name, written, out))
+
+
+def _check_shapes(where: str, engine, tensors: dict, arrays: dict, trained: set[str]) -> None:
+    for n, a in arrays.items():
+        want = engine.shape(tensors[n])
+        if n in trained and engine.flipped(n):
+            want = want[::-1]
+        if tuple(np.shape(a)) != want:
+            raise TaskExportError(f"{where}: {n} has shape {tuple(np.shape(a))}, the model built here {want} "
+                                  "(was the model changed since the run?)")
+
+
+def _write(engine, model, trained: set[str], weights: dict, ema: dict, tmp: Path) -> list[str]:
+    written = []
+    engine.load(model, weights, trained)
+    engine.write(model, tmp / "model.safetensors")
+    written.append("model.safetensors")
+    peft_model = find_peft(model) if engine.name == "torch" else None
+    if peft_model is not None:
+        peft_model.save_pretrained(str(tmp / "adapter"))
+        written.append("adapter")
+    if ema:
+        engine.load(model, ema, trained)
+        engine.write(model, tmp / "model_ema.safetensors")
+        written.append("model_ema.safetensors")
+        if peft_model is not None:
+            peft_model.save_pretrained(str(tmp / "adapter_ema"))
+            written.append("adapter_ema")
+    return written
+
+
+def _verify(engine, build: _Build, tmp: Path, written: list[str]) -> None:
+    """Each file strictly into a freshly built model, equal to what was written."""
+    fresh, _ = build()
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        if name not in written:
+            continue
+        saved = engine.load_strict(fresh, tmp / name)
+        bad = engine.differs(fresh, saved)
+        if bad:
+            raise TaskExportError(f"{name}: after a strict load into a fresh {type(fresh).__name__}, "
+                                  f"{_few(bad)} differ from what was written (does the model's load_state_dict "
+                                  "change what it loads?)")
+        adapter = "adapter" if name == "model.safetensors" else "adapter_ema"
+        if adapter in written:
+            _verify_adapter(find_peft(fresh), tmp / adapter)
+
+
+def _verify_adapter(peft_model, directory: Path) -> None:
+    import torch
+    from peft.utils import get_peft_model_state_dict, load_peft_weights
+
+    if peft_model is None:
+        raise TaskExportError(f"{directory.name}/: a fresh build holds no PeftModel (does build() wrap the model "
+                              "in peft only sometimes?)")
+    want = get_peft_model_state_dict(peft_model)
+    got = load_peft_weights(str(directory), device="cpu")
+    bad = sorted(set(want) ^ set(got)) or [n for n in want if not torch.equal(want[n].cpu(), got[n])]
+    if bad:
+        raise TaskExportError(f"{directory.name}/: PEFT reads it back unlike the model's adapter ({_few(bad)})")
+
+
+_HOW = {
+    "torch": {
+        "model.safetensors": "model.load_state_dict(safetensors.torch.load_file('{p}'), strict=True)",
+        "model_ema.safetensors": "model.load_state_dict(safetensors.torch.load_file('{p}'), strict=True)",
+        "adapter": "peft.PeftModel.from_pretrained(base_model, '{p}')",
+        "adapter_ema": "peft.PeftModel.from_pretrained(base_model, '{p}')",
+    },
+    "mlx": {
+        "model.safetensors": "model.load_weights('{p}', strict=True)",
+        "model_ema.safetensors": "model.load_weights('{p}', strict=True)",
+    },
+}
+_WHAT = {
+    "model.safetensors": "the model's whole state ({kind}), each tensor in the model's own dtype",
+    "model_ema.safetensors": "the same, with the run's EMA (train.ema) of the trained weights and float buffers",
+    "adapter": "the PEFT adapter (adapter_config.json, adapter_model.safetensors) on the base build() loads",
+    "adapter_ema": "the PEFT adapter of the EMA weights",
+}
+
+
+def _lines(engine: str, written: list[str], out: Path) -> list[str]:
+    return [f"{out / n}: {_HOW[engine][n].format(p=out / n)}" for n in written if n in _HOW[engine]]
+
+
+def _readme(engine: str, loaded: ckpt.Loaded, task: str, written: list[str], out: Path) -> str:
+    kind = "torch state_dict(): parameters and buffers" if engine == "torch" else \
+        "MLX tree_flatten(model.parameters()): parameters, frozen ones and BatchNorm statistics included"
+    step = loaded.state.get("step")
+    lines = [f"Exported by `python -m mlxdist.export` from {loaded.path} (step {step}), task {task}, "
+             f"{engine} engine.", "",
+             "Build the model the way your task's build(ctx) does (your own class), then:", ""]
+    for n in written:
+        if n in _HOW[engine]:
+            lines += [f"{n}{'/' if n.startswith('adapter') else ''}: {_WHAT[n].format(kind=kind)}",
+                      f"    {_HOW[engine][n].format(p=out / n)}", ""]
+    if "adapter" in written:
+        lines += ["base_model is the model the PeftModel wraps, as build() makes it before get_peft_model.", ""]
+    return "\n".join(lines)
