@@ -141,7 +141,9 @@ def _export_task(loaded, out: Path, dtype: str | None) -> int:
         print(f"error: --dtype {dtype}: a task's export ({factory}) writes each tensor in the model's own dtype; "
               "drop --dtype (cast in your own code after loading)", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {out}: a file, not a directory", file=sys.stderr)
+        return 2
     try:
         result = export_task(loaded, out)
     except TaskExportError as e:

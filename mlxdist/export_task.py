@@ -101,9 +101,12 @@ class _Torch:
         from safetensors.torch import load_file
 
         saved = load_file(str(path))
-        _check_keys(path, set(self.state(model)), set(saved), type(model).__name__)
+        cls = type(model).__name__
+        _check_keys(path, set(self.state(model)), set(saved), cls)
         try:
-            model.load_state_dict(saved, strict=True)
+            found = model.load_state_dict(saved, strict=False)  # the keys it takes, to name those it does not
+            _keys_differ(path, cls, set(getattr(found, "missing_keys", ())), set(getattr(found, "unexpected_keys", ())))
+            model.load_state_dict(saved, strict=True)  # as the user's code will
         except RuntimeError as e:
             raise TaskExportError(f"{path.name} does not load strictly into a fresh {type(model).__name__}: "
                                   f"{_first_line(e)}") from None
@@ -182,7 +185,10 @@ def _first_line(e: BaseException) -> str:
 
 
 def _check_keys(path: Path, wanted: set[str], saved: set[str], cls: str) -> None:
-    missing, unexpected = wanted - saved, saved - wanted
+    _keys_differ(path, cls, wanted - saved, saved - wanted)
+
+
+def _keys_differ(path: Path, cls: str, missing: set[str], unexpected: set[str]) -> None:
     if missing or unexpected:
         parts = ([f"missing keys {_few(missing)}"] if missing else []) + \
                 ([f"unexpected keys {_few(unexpected)}"] if unexpected else [])
@@ -226,7 +232,13 @@ class _Build:
         except Exception as e:  # noqa: BLE001 - the user's build failed: say where, exit 2
             raise TaskExportError(f"task {self.task.name}: build(ctx) raised {type(e).__name__}: "
                                   f"{_first_line(e)}") from None
-        built = built_from_task(obj, self.engine.name, "cpu", self.task.name)
+        try:
+            built = built_from_task(obj, self.engine.name, "cpu", self.task.name)
+        except ConfigError as e:
+            raise TaskExportError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - the user's module misbehaves when inspected
+            raise TaskExportError(f"task {self.task.name}: the model build(ctx) returned fails to be inspected: "
+                                  f"{type(e).__name__}: {_first_line(e)}") from None
         if hasattr(built.module, "eval"):
             built.module.eval()
         return built.module, built.fingerprint
@@ -240,6 +252,10 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike) -> Result:
         cfg = config_from_dict(state.get("config", {}))
     except ConfigError as e:
         raise TaskExportError(f"{loaded.path}: its saved config does not read: {e}") from None
+    try:
+        task = task_from_factory(cfg.task.factory, dict(cfg.task.args))
+    except ConfigError as e:  # TaskError is one
+        raise TaskExportError(str(e)) from None
     engine_name = state.get("engine", "mlx")
     try:
         engine = _Torch() if engine_name == "torch" else _MLX()
@@ -247,7 +263,6 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike) -> Result:
         raise TaskExportError(f"{loaded.path}: trained on the {engine_name} engine, and {e.name} does not import "
                               f"here: {e}") from None
     try:
-        task = task_from_factory(cfg.task.factory, dict(cfg.task.args))
         micro = (state.get("controllers") or {}).get("micro") or [cfg.train.batch_size]
         build = _Build(task, cfg, engine, int(micro[0]))  # rank 0's micro-batch when it was saved
         model, fingerprint = build()
@@ -256,9 +271,12 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike) -> Result:
     where = f"{loaded.path.name} of task {task.name}"
     trained_at = state.get("base_fingerprint")
     if trained_at and fingerprint and trained_at != fingerprint:
-        raise TaskExportError(f"{where}: the frozen weights build(ctx) makes here ({fingerprint}) are not the ones "
-                              f"the run trained on ({trained_at}); they are not in the checkpoint, so export needs "
-                              "the same base: the same files and settings build() reads")
+        def crc(fp: str) -> str:
+            return fp.removeprefix("frozen weights ")
+
+        raise TaskExportError(f"{where}: the frozen weights build(ctx) makes here ({crc(fingerprint)}) are not the ones "
+                              f"the run trained on ({crc(trained_at)}); they are not in the checkpoint, so export "
+                              "needs the same base: the same files and settings build() reads")
 
     tensors, trained = engine.state(model), engine.trained(model)
     weights = loaded.weights
@@ -271,7 +289,7 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike) -> Result:
         raise TaskExportError(f"{where}: lacks {len(lacking)} trained parameter(s) of the model built by {task.name}: "
                               f"{_few(lacking)} (was the model changed since the run?)")
     _check_shapes(where, engine, tensors, weights, trained)
-    ema = loaded.extra.get("ema") or {}
+    ema = getattr(loaded, "extra", {}).get("ema") or {}
     if ema:
         stray = set(ema) - set(tensors)
         if stray:
@@ -280,28 +298,34 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike) -> Result:
         _check_shapes(f"{loaded.path.name}/ema.safetensors", engine, tensors, ema, trained)
 
     out = Path(out)
+    created = not out.exists()
     tmp = out / f".export-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    done = False
     try:
         written = _write(engine, model, trained, weights, ema, tmp)
         del model, tensors
         _verify(engine, build, tmp, written)
-        readme = _readme(engine.name, loaded, task.name, written, out)
+        readme = _readme(engine.name, loaded, task.name, written, out.resolve())
         (tmp / "README.txt").write_text(readme)
         written.append("README.txt")
         umask = os.umask(0)
         os.umask(umask)
+        for f in tmp.rglob("*"):  # the safetensors package makes its files 0600
+            if f.is_file():
+                os.chmod(f, 0o666 & ~umask)
         for name in written:
-            if (tmp / name).is_file():  # the safetensors package makes its files 0600
-                os.chmod(tmp / name, 0o666 & ~umask)
             dest = out / name
             if dest.is_dir() and not dest.is_symlink():
                 shutil.rmtree(dest)
             os.replace(tmp / name, dest)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created and not done and not any(out.iterdir()):
+            out.rmdir()  # a failed export leaves no trace
     return Result(written, _lines(engine.name, written, out))
 
 
@@ -394,12 +418,13 @@ def _readme(engine: str, loaded: ckpt.Loaded, task: str, written: list[str], out
         "MLX tree_flatten(model.parameters()): parameters, frozen ones and BatchNorm statistics included"
     step = loaded.state.get("step")
     lines = [f"Exported by `python -m mlxdist.export` from {loaded.path} (step {step}), task {task}, "
-             f"{engine} engine.", "",
-             "Build the model the way your task's build(ctx) does (your own class), then:", ""]
+             f"{engine} engine, into {out}.", "",
+             "Build the model the way your task's build(ctx) does (your own class), then, with paths relative "
+             "to this directory:", ""]
     for n in written:
         if n in _HOW[engine]:
             lines += [f"{n}{'/' if n.startswith('adapter') else ''}: {_WHAT[n].format(kind=kind)}",
-                      f"    {_HOW[engine][n].format(p=out / n)}", ""]
+                      f"    {_HOW[engine][n].format(p=n)}", ""]
     if "adapter" in written:
         lines += ["base_model is the model the PeftModel wraps, as build() makes it before get_peft_model.", ""]
     return "\n".join(lines)

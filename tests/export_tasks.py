@@ -53,12 +53,11 @@ def torch_net():
         def forward(self, x):
             return self.body(self.base(x.to(torch.bfloat16)).float())
 
-    if os.environ.get("EXPORT_BROKEN"):  # a state_dict that load_state_dict(strict=True) refuses
+    if os.environ.get("EXPORT_BROKEN"):  # a load_state_dict that renames keys (a refactor's migration)
         class Broken(TorchNet):
-            def state_dict(self, *args, **kwargs):
-                state = super().state_dict(*args, **kwargs)
-                state["note"] = torch.zeros(1)
-                return state
+            def load_state_dict(self, state_dict, strict=True, assign=False):
+                state_dict = {k.replace("body.", "trunk."): v for k, v in state_dict.items()}
+                return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
         return Broken()
     return TorchNet()

@@ -1,4 +1,7 @@
-"""`python -m mlxdist.bench overhead`: the trainer against the shortest correct MLX loop."""
+"""`python -m mlxdist.bench overhead`: the trainer against the shortest correct MLX loop.
+
+With `--task` and `train.ema=...`, what a recipe's extras cost is in the ratio: the bare loop
+computes neither the task's metrics nor an average of the weights."""
 
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ def _bare_mlx_steps(cfg, steps: int) -> tuple[list[float], int]:
     b = cfg.train.batch_size
 
     def loss_fn(model, data, count):
-        return task.loss(model, data) / count
+        out = task.loss(model, data)
+        return (out[0] if isinstance(out, tuple) else out) / count  # a task's metrics: not computed here
 
     step_fn = nn.value_and_grad(model, loss_fn)
     times, units = [], 0
