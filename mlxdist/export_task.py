@@ -109,15 +109,20 @@ class _Torch:
             model.load_state_dict(saved, strict=True)  # as the user's code will
         except RuntimeError as e:
             raise TaskExportError(f"{path.name} does not load strictly into a fresh {type(model).__name__}: "
-                                  f"{_first_line(e)}") from None
+                                  f"{_one_line(e)}") from None
         return saved
 
     def differs(self, model, saved: dict[str, Any]) -> list[str]:
         got = model.state_dict()
-        return [n for n, t in saved.items() if got[n].dtype != t.dtype or not self.torch.equal(got[n].cpu(), t)]
 
-    def dtypes(self, model) -> dict[str, str]:
-        return {n: str(t.dtype).removeprefix("torch.") for n, t in model.state_dict().items()}
+        def same(a, b) -> bool:  # exactly, a NaN where the other has one included
+            if a.dtype != b.dtype or a.shape != b.shape:
+                return False
+            if a.is_floating_point():
+                return self.torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+            return self.torch.equal(a, b)
+
+        return [n for n, t in saved.items() if not same(got[n].cpu(), t)]
 
 
 class _MLX:
@@ -167,19 +172,16 @@ class _MLX:
             model.load_weights(str(path), strict=True)
         except ValueError as e:
             raise TaskExportError(f"{path.name} does not load strictly into a fresh {type(model).__name__}: "
-                                  f"{_first_line(e)}") from None
+                                  f"{_one_line(e)}") from None
         return saved
 
     def differs(self, model, saved: dict[str, Any]) -> list[str]:
         got = self.state(model)
         return [n for n, a in saved.items()
-                if got[n].dtype != a.dtype or not bool(self.mx.array_equal(got[n], a).item())]
-
-    def dtypes(self, model) -> dict[str, str]:
-        return {n: str(a.dtype).removeprefix("mlx.core.") for n, a in self.state(model).items()}
+                if got[n].dtype != a.dtype or not bool(self.mx.array_equal(got[n], a, equal_nan=True).item())]
 
 
-def _first_line(e: BaseException) -> str:
+def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())  # torch's message spans lines: one line, all of it
     return text if len(text) <= 300 else text[:297] + "..."
 
@@ -231,14 +233,14 @@ class _Build:
             obj = self.task.build(ctx)
         except Exception as e:  # noqa: BLE001 - the user's build failed: say where, exit 2
             raise TaskExportError(f"task {self.task.name}: build(ctx) raised {type(e).__name__}: "
-                                  f"{_first_line(e)}") from None
+                                  f"{_one_line(e)}") from None
         try:
             built = built_from_task(obj, self.engine.name, "cpu", self.task.name)
         except ConfigError as e:
             raise TaskExportError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the user's module misbehaves when inspected
             raise TaskExportError(f"task {self.task.name}: the model build(ctx) returned fails to be inspected: "
-                                  f"{type(e).__name__}: {_first_line(e)}") from None
+                                  f"{type(e).__name__}: {_one_line(e)}") from None
         if hasattr(built.module, "eval"):
             built.module.eval()
         return built.module, built.fingerprint
@@ -263,8 +265,8 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike) -> Result:
         raise TaskExportError(f"{loaded.path}: trained on the {engine_name} engine, and {e.name} does not import "
                               f"here: {e}") from None
     try:
-        micro = (state.get("controllers") or {}).get("micro") or [cfg.train.batch_size]
-        build = _Build(task, cfg, engine, int(micro[0]))  # rank 0's micro-batch when it was saved
+        micro = ((state.get("controllers") or {}).get("micro") or [None])[0]  # rank 0's when it was saved
+        build = _Build(task, cfg, engine, micro if isinstance(micro, int) else cfg.train.batch_size)
         model, fingerprint = build()
     except ConfigError as e:  # TaskError is one
         raise TaskExportError(str(e)) from None
@@ -427,4 +429,4 @@ def _readme(engine: str, loaded: ckpt.Loaded, task: str, written: list[str], out
                       f"    {_HOW[engine][n].format(p=n)}", ""]
     if "adapter" in written:
         lines += ["base_model is the model the PeftModel wraps, as build() makes it before get_peft_model.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip() + "\n"

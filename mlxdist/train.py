@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-import sysconfig
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +13,7 @@ import yaml
 
 from .config import Config, ConfigError, describe_keys, load_config
 from .engine import ENGINES, prepare_process
+from .errors import error_line
 from .tasks import Task
 from .tasks.load import checked
 
@@ -101,47 +100,6 @@ def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int
                 trackers.close_open()
             _abort_peers()
         return 2 if isinstance(e, ConfigError) else 1
-
-
-def error_line(e: BaseException) -> str:
-    """One line for a failed run. mlxdist's own errors are sentences already; an exception from
-    the user's code (a task's loss, dataset, build) says where: rank, host, and the last frame
-    outside mlxdist and the frameworks, with the way to the whole traceback."""
-    where = user_frame(e.__traceback__)
-    frames = list(traceback.walk_tb(e.__traceback__))
-    ours = bool(frames) and Path(__file__).resolve().parent in Path(frames[-1][0].f_code.co_filename).resolve().parents
-    if (where is None or ours) and isinstance(e, (ConfigError, RuntimeError, ValueError, OSError)):
-        return f"error: {e}"  # raised by mlxdist itself: already a sentence that says what to do
-    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0"))
-    at = f" at {where}" if where else ""
-    return (f"error: rank {rank} ({socket.gethostname()}){at}: {type(e).__name__}: {e} "
-            "(set MLXDIST_DEBUG=1 for the traceback)")
-
-
-def user_frame(tb) -> str | None:
-    """`file.py:LINE in FUNCTION` of the innermost frame that is the user's: not mlxdist's, not
-    the standard library's, not a framework's (torch, mlx, numpy, ...) it called into."""
-    found = None
-    for frame, line in traceback.walk_tb(tb):
-        if _users(Path(frame.f_code.co_filename)):
-            found = f"{Path(frame.f_code.co_filename).name}:{line} in {frame.f_code.co_name}"
-    return found
-
-
-_FRAMEWORKS = {"torch", "mlx", "numpy", "mpi4py", "safetensors", "transformers", "peft", "mlx_lm"}
-
-
-def _users(path: Path) -> bool:
-    if path.name.startswith("<"):
-        return False
-    path = path.resolve()
-    if Path(__file__).resolve().parent in path.parents:
-        return False
-    parts = path.parts
-    if "site-packages" in parts:
-        top = parts[parts.index("site-packages") + 1:]
-        return not top or top[0].split(".")[0] not in _FRAMEWORKS
-    return Path(sysconfig.get_paths()["stdlib"]).resolve() not in path.parents
 
 
 def _abort_peers() -> None:

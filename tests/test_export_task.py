@@ -64,8 +64,23 @@ def torch_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def torch_ema_run(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("torch-ema") / "run", *TORCH, "task.factory=export_tasks:torch_bn",
+                  "train.ema=0.9")
+
+
+@pytest.fixture(scope="module")
 def mlx_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("mlx") / "run", "task.factory=export_tasks:mlx_bn")
+    return _train(tmp_path_factory.mktemp("mlx") / "run", "task.factory=export_tasks:mlx_bn", "train.ema=0.9")
+
+
+def _ema(run: Path) -> dict[str, np.ndarray]:
+    """The checkpoint's EMA (`train.ema`): trained weights and float buffers, by the model file's names."""
+    ema = load_file(run / "checkpoints" / STEP / "ema.safetensors")
+    raw = load_file(run / "checkpoints" / STEP / "model.safetensors")
+    assert ema and set(ema) <= set(raw)
+    assert max(float(np.abs(ema[k] - raw[k]).max()) for k in ema) > 1e-3  # else the test proves little
+    return ema
 
 
 def test_torch_whole_state_loads_strictly_into_the_users_class(torch_run, tmp_path):
@@ -102,7 +117,7 @@ def test_mlx_whole_state_loads_strictly_into_the_users_class(mlx_run, tmp_path):
     out = tmp_path / "out"
     r = export(mlx_run, out)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == {"model.safetensors", "README.txt"}
+    assert {p.name for p in out.iterdir()} == {"model.safetensors", "model_ema.safetensors", "README.txt"}
     assert "load_weights" in r.stdout
 
     model = _users_module().mlx_net()
@@ -117,45 +132,33 @@ def test_mlx_whole_state_loads_strictly_into_the_users_class(mlx_run, tmp_path):
     assert bool(mx.array_equal(got["base.weight"], _users_module().mlx_net().base.weight))
 
 
-def _with_ema(run: Path, where: Path) -> tuple[Path, dict[str, np.ndarray]]:
-    """A copy of `run` whose checkpoint holds an EMA file (`train.ema`'s, by the same names as
-    model.safetensors: trained weights and float buffers), written by the checkpoint module."""
-    copy = where / "run"
-    shutil.copytree(run, copy)
-    loaded = ckpt.load(copy / "checkpoints" / STEP)
-    ema = {k: (v * 0.5 + 0.25).astype(np.float32) for k, v in loaded.weights.items()
-           if np.issubdtype(v.dtype, np.floating)}
-    ckpt.save(copy / "checkpoints", 3, loaded.weights, loaded.optimizer, loaded.state, loaded.sync,
-              extra={**loaded.extra, "ema": ema})
-    return copy, ema
-
-
-def test_ema_beside_the_weights(torch_run, tmp_path):
+def test_ema_beside_the_weights(torch_ema_run, tmp_path):
     import torch
     from safetensors.torch import load_file as load_torch
 
-    run, ema = _with_ema(torch_run, tmp_path)
+    ema = _ema(torch_ema_run)
     out = tmp_path / "out"
-    r = export(run, out)
+    r = export(torch_ema_run, out)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert {"model.safetensors", "model_ema.safetensors"} <= {p.name for p in out.iterdir()}
+    assert {p.name for p in out.iterdir()} == {"model.safetensors", "model_ema.safetensors", "README.txt"}
     model = _users_module().torch_net()
     model.load_state_dict(load_torch(out / "model_ema.safetensors"), strict=True)
     got = model.state_dict()
     for k, v in ema.items():
         np.testing.assert_array_equal(got[k].numpy(), v, err_msg=k)
-    assert int(got["body.1.num_batches_tracked"]) == 3  # not averaged: the model's own
+    assert int(got["body.1.num_batches_tracked"]) == 3  # a counter: the model's own, not averaged
     assert torch.equal(got["base.weight"], _users_module().torch_net().base.weight)
     raw = load_torch(out / "model.safetensors")  # the raw weights stay the raw ones
-    np.testing.assert_array_equal(raw["body.0.weight"].numpy(), ckpt.load(run / "checkpoints" / STEP).weights["body.0.weight"])
+    trained = load_file(torch_ema_run / "checkpoints" / STEP / "model.safetensors")
+    np.testing.assert_array_equal(raw["body.0.weight"].numpy(), trained["body.0.weight"])
 
 
 def test_mlx_ema(mlx_run, tmp_path):
     from mlx.utils import tree_flatten
 
-    run, ema = _with_ema(mlx_run, tmp_path)
+    ema = _ema(mlx_run)
     out = tmp_path / "out"
-    assert export(run, out).returncode == 0
+    assert export(mlx_run, out).returncode == 0
     model = _users_module().mlx_net()
     model.load_weights(str(out / "model_ema.safetensors"), strict=True)
     got = dict(tree_flatten(model.parameters()))
@@ -171,7 +174,7 @@ def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = make_llama(root / "base", vocab_size=64, tokenizer=False)
     run = _train(root / "run", *TORCH, "train.batch_size=4", "task.factory=export_tasks:torch_lora",
-                 f"task.args={{base: {base}}}")
+                 f"task.args={{base: {base}}}", "train.ema=0.9")
     return run, base
 
 
@@ -182,7 +185,7 @@ def test_peft_adapter_loads_with_from_pretrained(lora_run, tmp_path):
     from transformers import LlamaForCausalLM
 
     run, base = lora_run
-    run, ema = _with_ema(run, tmp_path)  # and an EMA: adapter_ema/ beside adapter/
+    ema = _ema(run)  # trained with train.ema: adapter_ema/ beside adapter/
     out = tmp_path / "out"
     r = export(run, out)
     assert r.returncode == 0, r.stderr[-3000:]

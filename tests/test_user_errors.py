@@ -7,7 +7,7 @@ from pathlib import Path
 
 from helpers import run_train
 
-from mlxdist.train import error_line
+from mlxdist.errors import error_line
 
 HERE = Path(__file__).parent
 ARGS = ["metrics.port=0", "train.progress=false", "train.steps=2", "task.factory=user_tasks:raises_in_loss"]

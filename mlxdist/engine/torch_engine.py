@@ -37,6 +37,7 @@ from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mps_reading, process_reading, with_override
+from .torch_grads import ParamGradients
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -226,7 +227,7 @@ class TorchEngine:
         self._scaler_ready = False
         # Lines the loop prints after the banner (training/loop.py: engine.notes).
         self.notes = [n for n in [slow_autocast_note(self.device_type, self.dtype_name)] if n] + self.notes_extra
-        self._hooked, self._on_ready = False, None
+        self._grads = ParamGradients(self._params, self.model)
         self.last_skip_overflow = False
         self._touched: set[str] = set()
         self.mark_state()
@@ -472,11 +473,10 @@ class TorchEngine:
             raise RuntimeError("TorchEngine.take_gradients() called before any micro_step()")
         # A parameter this rank's batches did not reach has no gradient: zeros, so every rank
         # hands the same list to the all-reduce.
-        out = LocalGradients([p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params],
-                             float(self._loss_sum), self._tokens, self._metrics)
+        out = LocalGradients(self._grads.gradients(), float(self._loss_sum), self._tokens, self._metrics)
         for p in self._params:  # the next micro_step starts a fresh sum; apply_gradients puts these back
             p.grad = None
-        self._on_ready = None
+        self._grads.on_gradient_ready(None)
         self._reset_accumulators()
         return out
 
@@ -525,33 +525,23 @@ class TorchEngine:
 
     def discard_gradients(self) -> None:
         """Drop a half-accumulated step (after an out-of-memory), keeping weights and moments."""
-        self._on_ready = None  # the retry's early micro-batches must not look final
+        self._grads.on_gradient_ready(None)  # the retry's early micro-batches must not look final
         self._zero_grad()
         self._reset_accumulators()
 
     # -- overlap: a sync strategy may start sending gradients while backward still runs ----
+    # The gradient sum reads gradients through these (engine/torch_grads.py).
     def backward_order(self) -> list[int]:
-        """Parameter indices (in `take_gradients` order) roughly as backward finishes them:
-        the reverse of the modules' registration order, as DDP assumes."""
-        index = {id(p): i for i, p in enumerate(self._params)}
-        order = [index[id(p)] for p in self.model.parameters() if id(p) in index][::-1]
-        return order + [i for i in range(len(self._params)) if i not in set(order)]
+        return self._grads.backward_order()
 
     def gradient_sizes(self) -> list[int]:
-        return [p.numel() for p in self._params]
+        return self._grads.gradient_sizes()
 
     def gradient(self, i: int) -> torch.Tensor:
-        p = self._params[i]
-        return p.grad if p.grad is not None else torch.zeros_like(p)
+        return self._grads.gradient(i)
 
     def on_gradient_ready(self, callback: Callable[[int], None] | None) -> None:
-        """`callback(i)` as soon as backward has finished parameter i's gradient (from then
-        until `take_gradients` or `discard_gradients`); None stops it."""
-        if not self._hooked:
-            for i, p in enumerate(self._params):
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_ready and self._on_ready(i))
-            self._hooked = True
-        self._on_ready = callback
+        self._grads.on_gradient_ready(callback)
 
     def clear_cache(self) -> None:
         if self.device_type == "cuda":

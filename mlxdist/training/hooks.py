@@ -32,7 +32,7 @@ class Hooks:
             return
         failed = original = None
         if self.world.is_main:
-            from ..train import user_frame
+            from ..errors import user_frame
 
             was_training = getattr(model, "training", True)
             model.eval()

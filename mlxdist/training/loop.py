@@ -33,6 +33,7 @@ from ..engine.memory import MemoryReading
 from ..markers import RestartCounts, announce_complete
 from ..state import checkpoint as ckpt
 from ..state.checkpointer import Checkpointer, describe, others_in, remove_run
+from ..sync.batchnorm import install_sync_batchnorm
 from ..sync.strategy import SyncStrategy, make_strategy, share_state
 from ..tasks import Batch, Task
 from ..tasks.fingerprint import check_same, fingerprint
@@ -99,6 +100,7 @@ class Trainer:
 
         plan = StepPlan.initial(w.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
         self.ctl = Controllers.build(cfg, plan, my_micro, node.memory_target, w.size, w.rank, w.allgather)
+        notes = install_sync_batchnorm(cfg, w, self.engine, plan)  # train.sync_batchnorm (torch)
         self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir, host=w.host, rank=w.rank,
                                         local_rank=w.local_rank)
         self.ema = EMA(cfg.train.ema, w) if cfg.train.ema else None
@@ -119,7 +121,7 @@ class Trainer:
             self.report.say(warning)
         if w.is_main:
             self._banner(backend, devices)
-        for note in getattr(self.engine, "notes", []):
+        for note in [*getattr(self.engine, "notes", []), *notes]:
             self.report.say(note)
 
     @property

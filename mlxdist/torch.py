@@ -1,0 +1,262 @@
+"""Your own PyTorch loop across Macs: `import mlxdist.torch as md`, start with mpirun.
+
+    info = md.init()                                   # rank, size, host, device (mps / cuda:N / cpu)
+    model.to(info.device)
+    opt = md.DistributedOptimizer(torch.optim.AdamW(model.parameters()), model)
+    md.broadcast(model, opt)                           # rank 0's weights, buffers, optimizer state
+    sampler = md.DistributedSampler(len(data), global_batch=64)
+    for x, y in DataLoader(data, batch_size=sampler.batch_size, sampler=sampler):
+        opt.zero_grad()
+        opt.backward(F.cross_entropy(model(x), y), count=len(x))   # a mean loss, weighed by its samples
+        opt.step()
+        if md.should_stop():                           # Ctrl-C / SIGTERM on any rank: all stop here
+            break
+
+Gradients are summed over ranks (in buckets sent while backward runs, the trainer's torch
+engine's own sum) and divided by the cluster's units, so a MacBook's 3 samples and a Studio's
+5 train exactly like one process with 8. torch.distributed has no MPS backend; this needs none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import Config
+from .engine.torch_grads import ParamGradients
+from .yourloop import session as _session
+
+_NAME = "mlxdist.torch"
+
+
+@dataclass
+class Info:
+    rank: int
+    size: int
+    local_rank: int
+    host: str
+    device: str  # this rank's torch device: mps, cuda:LOCAL_RANK, or cpu
+
+
+def init(config: str | Path | Config | None = None, device: str = "auto", stall_timeout: float | None = None,
+         metrics_port: int | None = None) -> Info:
+    """Join the job mpirun started (one rank without mpirun). `config`: a YAML whose `nodes:`
+    give each Mac's share of a global batch (`shares`), `dist.stall_timeout_s`, `metrics.port`."""
+    from .engine.torch_engine import select_device
+
+    s = _session.start("torch", config, "mpi4py", stall_timeout, metrics_port)
+    s.device, _ = select_device(device, s.world.local_rank)
+    for note in s.notes:
+        _say(s, note)
+    return info()
+
+
+def info() -> Info:
+    s = _session.current(_NAME)
+    return Info(s.rank, s.size, s.world.local_rank, s.world.host, s.device)
+
+
+def shares(global_batch: int) -> list[int]:
+    """Every rank's samples of each global batch (from `nodes:`; equal without a config)."""
+    return _session.current(_NAME).shares(global_batch)
+
+
+def should_stop() -> bool:
+    """True on every rank once any rank got Ctrl-C, SIGTERM or `kill -USR1 MPIRUN_PID`; call it
+    at the end of each step (a collective)."""
+    return _session.should_stop(_session.current(_NAME))
+
+
+def all_reduce(value: Any, op: str = "sum") -> Any:
+    """A number, numpy array or tensor summed (mean, max, min) over ranks, in the same type."""
+    s = _session.current(_NAME)
+    if isinstance(value, torch.Tensor):
+        out = _session.all_reduce_numpy(s, value.detach().double().cpu().numpy(), op)
+        return torch.as_tensor(out, dtype=value.dtype, device=value.device)
+    out = _session.all_reduce_numpy(s, value, op)
+    return out if isinstance(value, np.ndarray) else out.item()
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj` (any picklable value), in rank order."""
+    return _session.current(_NAME).world.allgather(obj)
+
+
+def broadcast_object(obj: Any, root: int = 0) -> Any:
+    return _session.current(_NAME).world.bcast(obj, root)
+
+
+def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0) -> None:
+    """`root`'s parameters, buffers and optimizer state on every rank (a model initialised
+    without a seed differs per rank). A model of another shape on some rank is one line
+    naming the rank and the parameter."""
+    s = _session.current(_NAME)
+    state = model.state_dict()
+    _session.check_same_shapes(s, {n: tuple(t.shape) for n, t in state.items()}, f"{_NAME}.broadcast")
+    if s.size > 1:
+        arrays = s.world.broadcast_arrays({n: _numpy(t) for n, t in state.items()}, root)
+        with torch.no_grad():
+            for name, t in state.items():
+                t.copy_(torch.from_numpy(np.array(arrays[name])).to(t.dtype))
+        if optimizer is not None:
+            theirs = s.world.bcast(_cpu(optimizer.state_dict()) if s.rank == root else None, root)
+            optimizer.load_state_dict(theirs)
+
+
+class _Distributed:
+    """Mixed into the optimizer's own class, so LR schedulers and `isinstance` see the
+    optimizer they expect, sharing its state (`__dict__`)."""
+
+    def _setup(self, model: torch.nn.Module, reduction: str, bucket_mb: float, wire_dtype: str,
+               overlap: bool) -> None:
+        from .sync.torch_grad import TorchGradSync
+
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"{_NAME}.DistributedOptimizer: reduction '{reduction}' is not 'mean' or 'sum'")
+        s = _session.current(_NAME)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        _session.check_same_shapes(s, {n: tuple(p.shape) for n, p in named}, f"{_NAME}.DistributedOptimizer")
+        self._md_session, self._md_reduction = s, reduction
+        self._md_grads = ParamGradients([p for _, p in named], model)
+        self._md_sync = TorchGradSync(s.world, bucket_mb, wire_dtype, overlap) if s.size > 1 else None
+        self._md_count: int | None = None  # units since the last step; None: none given yet
+        self._md_armed, self._md_quiet, self._md_synced = False, False, None
+
+    def backward(self, loss: torch.Tensor, count: int) -> None:
+        """`loss.backward()` of `count` units (a mean over them with reduction='mean', their
+        sum with 'sum'). Not inside `no_sync()`, it is the step's last: buckets go out as
+        backward finishes them."""
+        if self._md_armed:
+            raise RuntimeError(f"{_NAME}: backward() twice in one step; wrap all but the step's last backward in "
+                               "`with optimizer.no_sync():` (gradient accumulation)")
+        if self._md_sync is not None and not self._md_quiet:
+            self._md_sync.arm(self._md_grads)
+            self._md_armed = True
+        (loss * count if self._md_reduction == "mean" else loss).backward()
+        self._md_count = (self._md_count or 0) + int(count)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes that only accumulate (all but a step's last micro-batch)."""
+        self._md_quiet = True
+        try:
+            yield
+        finally:
+            self._md_quiet = False
+
+    def synchronize(self, count: int | None = None) -> int:
+        """Sum gradients over ranks and divide by the cluster's units; returns those units.
+        `count`: this rank's units when backward was plain `loss.backward()`. Call it before
+        clipping by the global norm; `step()` then does not sum again."""
+        if count is not None:
+            if self._md_reduction == "mean":
+                torch._foreach_mul_([g for g in self._md_grads.gradients() if g is not None], float(count))
+            self._md_count = (self._md_count or 0) + int(count)
+        if self._md_count is None:
+            raise RuntimeError(f"{_NAME}: step() without a count; use optimizer.backward(loss, count=N) or "
+                               "optimizer.step(count=N) (this rank's samples, or units, in the step)")
+        s = self._md_session
+        grads = self._md_grads.gradients()
+        if self._md_sync is not None:
+            summed, _ = self._md_sync.all_sum(grads)
+            self._md_grads.on_gradient_ready(None)
+            total = int(s.world.allreduce_sum([float(self._md_count)])[0])
+        else:
+            summed, total = grads, self._md_count
+        self._md_count, self._md_armed = None, False
+        if total > 0:
+            with torch.no_grad():
+                for p, g in zip(self._md_grads.params, summed, strict=True):
+                    if g is p.grad:
+                        g.div_(total)
+                    else:  # a fresh tensor: the sum's buffer is not the gradient's to keep
+                        p.grad = (g.reshape(p.shape) / total).to(p.device)
+        else:
+            s.skipped_steps += 1
+            _say(s, f"{_NAME}: step skipped: no rank had a unit to learn from (count 0 everywhere; "
+                    f"{s.skipped_steps} so far)")
+        self._md_synced = total
+        return total
+
+    def step(self, closure=None, count: int | None = None):
+        if self._md_synced is None:
+            self.synchronize(count)
+        total, self._md_synced = self._md_synced, None
+        if total == 0:
+            self.zero_grad(set_to_none=True)
+            return None
+        return super().step(closure)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, reduction: str = "mean",  # noqa: N802 - reads as the class it returns
+                         bucket_mb: float = 25.0, wire_dtype: str = "float32", overlap: bool = True):
+    """`optimizer` whose step sums gradients over ranks and divides by the cluster's units
+    (`backward(loss, count)` or `step(count=N)`). `reduction`: how the loss covers its units,
+    'mean' (torch's default: it is weighed by `count`) or 'sum'. The same object to LR
+    schedulers and `isinstance` checks; its state is the optimizer's."""
+    cls = type(f"Distributed{type(optimizer).__name__}", (_Distributed, type(optimizer)), {})
+    dist = cls.__new__(cls)
+    dist.__dict__ = optimizer.__dict__
+    dist._setup(model, reduction, bucket_mb, wire_dtype, overlap)
+    return dist
+
+
+class DistributedSampler(torch.utils.data.Sampler):
+    """This rank's share of every global batch of a shuffled stream that depends only on
+    (seed, position): `DataLoader(data, batch_size=sampler.batch_size, sampler=sampler)`. Each
+    epoch is `len(data) // global_batch` global batches; `set_epoch(e)` as with torch's, and
+    `start_step` continues a resumed run where it stopped."""
+
+    def __init__(self, n_samples: int, global_batch: int, seed: int = 0, start_step: int = 0):
+        s = _session.current(_NAME)
+        self.n, self.global_batch, self.seed = int(n_samples), int(global_batch), int(seed)
+        self.steps = self.n // self.global_batch
+        if self.steps == 0:
+            raise ValueError(f"{_NAME}.DistributedSampler: {n_samples} samples make no global batch of {global_batch}")
+        self.begin, self.end = _session.my_slice(s.shares(global_batch), s.rank)
+        self.batch_size = self.end - self.begin
+        self.epoch, self.start_step = 0, int(start_step)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return (self.steps - self.start_step % self.steps) * self.batch_size
+
+    def __iter__(self):
+        first = self.epoch * self.steps + self.start_step % self.steps
+        for step in range(first, (self.epoch + 1) * self.steps):
+            yield from _session.sample_order(self.n, self.seed, step * self.global_batch + self.begin,
+                                             self.batch_size).tolist()
+
+
+def _say(s: _session.Session, text: str) -> None:
+    if s.world.is_main:
+        from .markers import write_line
+
+        write_line(text)
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _cpu(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cpu(v) for v in tree)
+    return tree
+
+
+__all__ = ["DistributedOptimizer", "DistributedSampler", "Info", "all_gather", "all_reduce", "broadcast",
+           "broadcast_object", "info", "init", "shares", "should_stop"]

@@ -1,0 +1,164 @@
+"""The distributed layer for a loop of the user's own (`mlxdist.torch`, `mlxdist.mlx`).
+
+One World per process, made by `init()` as the trainer makes its own: ranks from mpirun (one
+rank without it), the stall watchdog, signals that ask for a stop at a step boundary, the
+Prometheus endpoint, and each rank's share of a global batch from a config's `nodes:`. The
+framework modules add what touches tensors; everything here is numbers and numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..cluster.world import World, init_world
+from ..config import Config, ConfigError, load_config
+from ..control.split import proportional_split
+
+
+class NotInitialized(ConfigError):
+    pass
+
+
+def _excepthook(kind, value, tb) -> None:
+    """mlxdist's own errors in a user's script are one line and exit 2, as in the trainer;
+    anything else prints as Python prints it, then ends the other ranks rather than leaving
+    them waiting in a collective."""
+    if isinstance(value, ConfigError):
+        if not getattr(value, "quiet", False):
+            sys.stderr.write(f"error: {value}\n")
+        sys.stderr.flush()
+        os._exit(2)
+    _previous_hook(kind, value, tb)
+    if _SESSION is not None and _SESSION.size > 1 and _SESSION.world.comm is not None:
+        _SESSION.world.comm.Abort(1)
+
+
+_previous_hook = sys.excepthook
+sys.excepthook = _excepthook
+
+
+@dataclass
+class Session:
+    world: World
+    config: Config | None
+    weights: list[float]  # each rank's say in a global batch: its `nodes:` batch size, or 1
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+    skipped_steps: int = 0  # updates skipped because no rank had a unit to learn from
+    metrics: Any = None  # the Prometheus endpoint's, when one is served
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    def shares(self, global_batch: int) -> list[int]:
+        """Every rank's samples of a global batch, proportional to its `nodes:` batch size
+        (equal without a config), summing to `global_batch`."""
+        if global_batch < self.size:
+            raise ConfigError(f"shares({global_batch}): a global batch smaller than the {self.size} ranks")
+        return proportional_split(int(global_batch), self.weights)
+
+
+_SESSION: Session | None = None
+
+
+def refuse_torchrun(env: Mapping[str, str] = os.environ) -> None:
+    """torchrun starts processes that each think they are the only one here (no MPI)."""
+    if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_WORLD_SIZE" in env and "OMPI_COMM_WORLD_SIZE" not in env
+                                        and "PMIX_RANK" not in env):
+        raise ConfigError("started by torchrun, whose ranks mlxdist cannot join (it talks MPI): start the script "
+                          "with `mpirun -np N python SCRIPT` or `launch/mlxrun --hostfile HOSTS -- SCRIPT`")
+
+
+def start(framework: str, config: str | os.PathLike | Config | None = None, backend: str = "mpi4py",
+          stall_timeout: float | None = None, metrics_port: int | None = None) -> Session:
+    """The process's session (made once; a second call returns the first)."""
+    global _SESSION
+    if _SESSION is not None:
+        return _SESSION
+    refuse_torchrun()
+    cfg = config if isinstance(config, Config) or config is None else load_config(config)
+    world = init_world(backend)
+    world.install_signal_handlers()
+    world.start_watchdog(stall_timeout or (cfg.dist.stall_timeout_s if cfg else 120.0))
+    weights = [1.0] * world.size
+    if cfg is not None and cfg.nodes:
+        weights = [float(b) for b in world.allgather(cfg.node_for(world.host, world.rank).batch_size)]
+    session = Session(world, cfg, weights)
+    port = metrics_port if metrics_port is not None else (cfg.metrics.port if cfg else 0)
+    if port:
+        from ..telemetry.metrics import Metrics
+
+        metrics = Metrics(world.rank, world.host)
+        metrics.set_build(engine=framework, backend="single" if world.size == 1 else backend,
+                          world_size=str(world.size))
+        warning = metrics.serve(port + world.local_rank, cfg.metrics.bind if cfg else "0.0.0.0")
+        session.notes += [warning] if warning else []
+        session.metrics = metrics
+    _SESSION = session
+    return session
+
+
+def current(module: str) -> Session:
+    if _SESSION is None:
+        raise NotInitialized(f"{module}: call {module}.init() first (once per process, before any other call)")
+    return _SESSION
+
+
+def should_stop(session: Session) -> bool:
+    """Whether any rank was asked to stop (Ctrl-C, SIGTERM, `kill -USR1 MPIRUN`): every rank
+    gets the same answer, so all leave the loop at the same step. Collective."""
+    return any(session.world.allgather(session.world.stop_requested))
+
+
+def all_reduce_numpy(session: Session, value: Any, op: str) -> np.ndarray:
+    if op not in ("sum", "mean", "max", "min"):
+        raise ValueError(f"all_reduce: op '{op}' is not one of sum, mean, max, min")
+    a = np.asarray(value, dtype=np.float64)
+    if op in ("sum", "mean"):
+        total = session.world.allreduce_arrays({"v": a})["v"]
+        return total / session.size if op == "mean" else total
+    gathered = np.stack(session.world.allgather(a))
+    return gathered.max(axis=0) if op == "max" else gathered.min(axis=0)
+
+
+def check_same_shapes(session: Session, shapes: dict[str, tuple], what: str) -> None:
+    """Every rank's model has rank 0's parameter names and shapes, or one line naming the first
+    rank and parameter that differ."""
+    gathered = session.world.allgather(shapes)
+    hosts = session.world.allgather(session.world.host)
+    ref = gathered[0]
+    for r, theirs in enumerate(gathered[1:], start=1):
+        if theirs == ref:
+            continue
+        extra = sorted(set(theirs) - set(ref))
+        lacking = sorted(set(ref) - set(theirs))
+        differ = sorted(n for n in set(ref) & set(theirs) if ref[n] != theirs[n])
+        detail = (f"{differ[0]} is {tuple(theirs[differ[0]])} there, {tuple(ref[differ[0]])} on rank 0" if differ
+                  else f"it has {extra[0]}, which rank 0 lacks" if extra else f"it lacks {lacking[0]}")
+        err = ConfigError(f"{what}: the model on rank {r} ({hosts[r]}) differs from rank 0's ({hosts[0]}): "
+                          f"{detail}; build the same model on every rank")
+        err.quiet = session.rank != 0  # every rank saw the same gathered shapes: rank 0 says it
+        raise err
+
+
+def sample_order(n: int, seed: int, start: int, count: int) -> np.ndarray:
+    from ..data.sampler import GlobalSampler
+
+    return np.asarray(GlobalSampler(n, seed).indices(start, count))
+
+
+def my_slice(shares: Sequence[int], rank: int) -> tuple[int, int]:
+    from ..data.sampler import rank_slice
+
+    return rank_slice(list(shares), rank)

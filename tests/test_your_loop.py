@@ -1,0 +1,99 @@
+"""Your loop on mlxdist: a plain PyTorch script (`mlxdist.torch`) and a plain MLX script
+(`mlxdist.mlx`), started the way their authors start them (python, or mpirun), keep 3+5 == 8.
+The scripts are in tests/yourloop/; the lines they change for mlxdist are marked `# md`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import env, mpirun_path
+
+HERE = Path(__file__).parent / "yourloop"
+SPLIT = "nodes:\n  rank0: {batch_size: 3}\n  rank1: {batch_size: 5}\n"
+
+
+def _run(script, args, np_=0, extra_env=None, timeout=180):
+    cmd = [sys.executable, str(HERE / script), *map(str, args)]
+    if np_:
+        cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", str(np_), "-x", "PYTHONPATH",
+               "-x", "OPENBLAS_NUM_THREADS", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env() | (extra_env or {}), timeout=timeout,
+                          cwd=HERE)
+
+
+def _worst(a: Path, b: Path) -> float:
+    x, y = np.load(a), np.load(b)
+    assert x.files == y.files
+    return max(float(np.abs(x[k] - y[k]).max()) for k in x.files if k != "loss")
+
+
+@pytest.fixture
+def split(tmp_path) -> Path:
+    path = tmp_path / "split.yaml"
+    path.write_text(SPLIT)
+    return path
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("mode", ["backward", "step", "accum"])
+def test_a_torch_loop_on_3_plus_5_ranks_equals_one_process_with_8(tmp_path, split, mode):
+    one = _run("torch_loop.py", [tmp_path / "one.npz", "--mode", mode, "--seed-by-rank"])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = _run("torch_loop.py", [tmp_path / "two.npz", "--config", split, "--mode", mode, "--seed-by-rank"], np_=2)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "rank 0: done after 4 steps, batch 3" in two.stderr and "rank 1: done after 4 steps, batch 5" in two.stderr
+    assert _worst(tmp_path / "one.npz", tmp_path / "two.npz") < 1e-5
+    assert float(np.load(tmp_path / "one.npz")["loss"]) == pytest.approx(float(np.load(tmp_path / "two.npz")["loss"]),
+                                                                         abs=1e-5)
+
+
+@pytest.mark.cluster
+def test_an_mlx_loop_on_3_plus_5_ranks_equals_one_process_with_8(tmp_path, split):
+    one = _run("mlx_loop.py", [tmp_path / "one.npz"])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = _run("mlx_loop.py", [tmp_path / "two.npz", "--config", split], np_=2)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert _worst(tmp_path / "one.npz", tmp_path / "two.npz") < 1e-5
+
+
+@pytest.mark.cluster
+def test_a_model_of_another_shape_on_one_rank_is_one_line_naming_it(tmp_path):
+    r = _run("mlx_loop.py", [tmp_path / "x.npz", "--wide-on-rank1"], np_=2)
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == ["error: mlxdist.mlx.broadcast: the model on rank 1 (" + lines[0].split("(", 1)[1]], r.stderr
+    assert "layers.0.bias is (32,) there, (16,) on rank 0" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_a_step_where_no_rank_counted_anything_is_skipped_and_said(tmp_path):
+    r = _run("torch_loop.py", [tmp_path / "z.npz", "--zero-count", "--steps", "2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step skipped: no rank had a unit to learn from (count 0 everywhere; 2 so far)" in r.stderr
+
+
+@pytest.mark.parametrize("code, extra_env, message", [
+    ("import mlxdist.torch as md; md.shares(8)", {},
+     "error: mlxdist.torch: call mlxdist.torch.init() first"),
+    ("import mlxdist.mlx as md; md.average_gradients({}, 1)", {},
+     "error: mlxdist.mlx: call mlxdist.mlx.init() first"),
+    ("import mlxdist.torch as md; md.init()", {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"},
+     "error: started by torchrun, whose ranks mlxdist cannot join"),
+])
+def test_misuse_is_one_line_and_exit_2(code, extra_env, message):
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env() | extra_env,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().startswith(message) and len(r.stderr.strip().splitlines()) == 1, \
+        r.stderr
+
+
+def test_shares_follow_the_config_s_nodes_and_a_lone_process_is_one_rank(tmp_path, split):
+    code = ("import mlxdist.torch as md, sys; i = md.init(sys.argv[1], device='cpu'); "
+            "print(i.rank, i.size, i.device, md.shares(16), md.all_reduce(2.0), md.all_gather('x'))")
+    r = subprocess.run([sys.executable, "-c", code, str(split)], capture_output=True, text=True, env=env(),
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", "1", "cpu", "[16]", "2.0", "['x']"]

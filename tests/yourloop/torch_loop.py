@@ -1,0 +1,64 @@
+"""A plain PyTorch training loop, written as its author would, on mlxdist (the lines marked md).
+
+    python torch_loop.py OUT [--config C] [--mode backward|step|accum] [--steps N]
+"""
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import mlxdist.torch as md
+
+p = argparse.ArgumentParser()
+p.add_argument("out")
+p.add_argument("--config")
+p.add_argument("--mode", default="backward")
+p.add_argument("--steps", type=int, default=4)
+p.add_argument("--global-batch", type=int, default=8)
+p.add_argument("--seed-by-rank", action="store_true")
+p.add_argument("--zero-count", action="store_true")
+args = p.parse_args()
+
+info = md.init(args.config, device="cpu")                                           # md
+torch.manual_seed(1000 + info.rank if args.seed_by_rank else 0)
+rng = np.random.default_rng(0)
+x = torch.tensor(rng.normal(size=(256, 8)), dtype=torch.float32)
+y = torch.tensor(rng.integers(0, 3, size=256))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+opt = md.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)  # md
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+md.broadcast(model, opt)                                                              # md
+sampler = md.DistributedSampler(len(x), args.global_batch)                           # md
+loader = DataLoader(TensorDataset(x, y), batch_size=sampler.batch_size, sampler=sampler)
+
+step = 0
+for xb, yb in loader:
+    opt.zero_grad()
+    if args.mode == "backward":
+        opt.backward(F.cross_entropy(model(xb), yb), count=0 if args.zero_count else len(xb))      # md
+        opt.step()
+    elif args.mode == "step":
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step(count=len(xb))                                                       # md
+    else:  # two micro-batches, the first only accumulating; clip by the global norm
+        half = len(xb) // 2
+        with opt.no_sync():                                                           # md
+            opt.backward(F.cross_entropy(model(xb[:half]), yb[:half]), count=half)
+        opt.backward(F.cross_entropy(model(xb[half:]), yb[half:]), count=len(xb) - half)
+        opt.synchronize()                                                             # md
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    sched.step()
+    step += 1
+    if step >= args.steps or md.should_stop():                                        # md
+        break
+
+with torch.no_grad():
+    loss = md.all_reduce(float(F.cross_entropy(model(x), y)), op="mean")              # md
+if info.rank == 0:
+    np.savez(args.out, loss=loss, **{k: v.detach().numpy() for k, v in model.state_dict().items()})
+print(f"rank {info.rank}: done after {step} steps, batch {sampler.batch_size}", file=sys.stderr)
