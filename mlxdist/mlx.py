@@ -17,7 +17,6 @@ backend mlxdist has (`mpi4py` ring by default; `mlx-mpi`, `mlx-ring`, `mlx-jaccl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,7 @@ from .yourloop import session as _session
 _NAME = "mlxdist.mlx"
 
 
-@dataclass
-class Info:
-    rank: int
-    size: int
-    local_rank: int
-    host: str
+Info = _session.Info
 
 
 _SYNC: dict[str, Any] = {}
@@ -52,14 +46,14 @@ def init(config: str | Path | Config | None = None, backend: str = "auto", stall
 
     chosen = resolve_backend(backend)
     s = _session.start("mlx", config, chosen, stall_timeout, metrics_port)
+    s.device = str(mx.default_device())
     if "grad" not in _SYNC:
         _SYNC["grad"] = GradSync(make_collective(s.world, chosen))
     return info()
 
 
 def info() -> Info:
-    s = _session.current(_NAME)
-    return Info(s.rank, s.size, s.world.local_rank, s.world.host)
+    return _session.info(_NAME)
 
 
 def shares(global_batch: int) -> list[int]:
@@ -124,19 +118,16 @@ def _bcast(s: _session.Session, arrays: dict[str, mx.array], root: int) -> dict[
 
 def all_reduce(value: Any, op: str = "sum") -> Any:
     """A number, numpy or MLX array summed (mean, max, min) over ranks, in the same type."""
-    s = _session.current(_NAME)
-    if isinstance(value, mx.array):
-        return mx.array(_session.all_reduce_numpy(s, np.array(value), op)).astype(value.dtype)
-    out = _session.all_reduce_numpy(s, value, op)
-    return out if isinstance(value, np.ndarray) else out.item()
+    return _session.all_reduce(_NAME, value, op, mx.array, np.array, lambda a, x: mx.array(a).astype(x.dtype))
 
 
 def all_gather(obj: Any) -> list[Any]:
-    return _session.current(_NAME).world.allgather(obj)
+    """Every rank's `obj` (any picklable value), in rank order."""
+    return _session.all_gather(_NAME, obj)
 
 
 def broadcast_object(obj: Any, root: int = 0) -> Any:
-    return _session.current(_NAME).world.bcast(obj, root)
+    return _session.broadcast_object(_NAME, obj, root)
 
 
 __all__ = ["Info", "all_gather", "all_reduce", "average_gradients", "broadcast", "broadcast_object", "info", "init",

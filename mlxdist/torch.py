@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,7 @@ from .yourloop import session as _session
 _NAME = "mlxdist.torch"
 
 
-@dataclass
-class Info:
-    rank: int
-    size: int
-    local_rank: int
-    host: str
-    device: str  # this rank's torch device: mps, cuda:LOCAL_RANK, or cpu
+Info = _session.Info
 
 
 def init(config: str | Path | Config | None = None, device: str = "auto", stall_timeout: float | None = None,
@@ -58,8 +51,7 @@ def init(config: str | Path | Config | None = None, device: str = "auto", stall_
 
 
 def info() -> Info:
-    s = _session.current(_NAME)
-    return Info(s.rank, s.size, s.world.local_rank, s.world.host, s.device)
+    return _session.info(_NAME)
 
 
 def shares(global_batch: int) -> list[int]:
@@ -75,21 +67,17 @@ def should_stop() -> bool:
 
 def all_reduce(value: Any, op: str = "sum") -> Any:
     """A number, numpy array or tensor summed (mean, max, min) over ranks, in the same type."""
-    s = _session.current(_NAME)
-    if isinstance(value, torch.Tensor):
-        out = _session.all_reduce_numpy(s, value.detach().double().cpu().numpy(), op)
-        return torch.as_tensor(out, dtype=value.dtype, device=value.device)
-    out = _session.all_reduce_numpy(s, value, op)
-    return out if isinstance(value, np.ndarray) else out.item()
+    return _session.all_reduce(_NAME, value, op, torch.Tensor, lambda t: t.detach().double().cpu().numpy(),
+                               lambda a, t: torch.as_tensor(a, dtype=t.dtype, device=t.device))
 
 
 def all_gather(obj: Any) -> list[Any]:
     """Every rank's `obj` (any picklable value), in rank order."""
-    return _session.current(_NAME).world.allgather(obj)
+    return _session.all_gather(_NAME, obj)
 
 
 def broadcast_object(obj: Any, root: int = 0) -> Any:
-    return _session.current(_NAME).world.bcast(obj, root)
+    return _session.broadcast_object(_NAME, obj, root)
 
 
 def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0) -> None:

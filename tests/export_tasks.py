@@ -12,24 +12,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from user_tasks import Regression
 
 import mlxdist
-
-
-class Regression:
-    """x -> y with a fixed random linear map plus noise: 8 features, 3 targets."""
-
-    def __init__(self, n: int, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        self.x = rng.normal(size=(n, 8)).astype(np.float32)
-        w = rng.normal(size=(8, 3)).astype(np.float32)
-        self.y = (self.x @ w + 0.1 * rng.normal(size=(n, 3))).astype(np.float32)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return {"x": self.x[i], "y": self.y[i]}
 
 
 def _base_seed() -> int:

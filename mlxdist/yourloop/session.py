@@ -72,6 +72,20 @@ class Session:
 _SESSION: Session | None = None
 
 
+@dataclass
+class Info:
+    rank: int
+    size: int
+    local_rank: int
+    host: str
+    device: str  # torch: mps, cuda:LOCAL_RANK or cpu; MLX: its default device
+
+
+def info(module: str) -> Info:
+    s = current(module)
+    return Info(s.rank, s.size, s.world.local_rank, s.world.host, s.device)
+
+
 def refuse_torchrun(env: Mapping[str, str] = os.environ) -> None:
     """torchrun starts processes that each think they are the only one here (no MPI)."""
     if "TORCHELASTIC_RUN_ID" in env or ("LOCAL_WORLD_SIZE" in env and "OMPI_COMM_WORLD_SIZE" not in env
@@ -119,6 +133,24 @@ def should_stop(session: Session) -> bool:
     """Whether any rank was asked to stop (Ctrl-C, SIGTERM, `kill -USR1 MPIRUN`): every rank
     gets the same answer, so all leave the loop at the same step. Collective."""
     return any(session.world.allgather(session.world.stop_requested))
+
+
+def all_reduce(module: str, value: Any, op: str, array_type: type, to_numpy, from_numpy) -> Any:
+    """`value` (a number, numpy array or the framework's `array_type`) reduced over ranks, in
+    its own type."""
+    s = current(module)
+    if isinstance(value, array_type):
+        return from_numpy(all_reduce_numpy(s, to_numpy(value), op), value)
+    out = all_reduce_numpy(s, value, op)
+    return out if isinstance(value, np.ndarray) else out.item()
+
+
+def all_gather(module: str, obj: Any) -> list[Any]:
+    return current(module).world.allgather(obj)
+
+
+def broadcast_object(module: str, obj: Any, root: int = 0) -> Any:
+    return current(module).world.bcast(obj, root)
 
 
 def all_reduce_numpy(session: Session, value: Any, op: str) -> np.ndarray:
