@@ -111,9 +111,40 @@ def broadcast(model: Any, optimizer: Any = None, root: int = 0) -> None:
 
 def _bcast(s: _session.Session, arrays: dict[str, mx.array], root: int) -> dict[str, mx.array]:
     dtypes = {n: a.dtype for n, a in arrays.items()}
-    host = {n: np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a) for n, a in arrays.items()}
-    got = s.world.broadcast_arrays(host, root)
+    got = s.world.broadcast_arrays(_host(arrays), root)
     return {n: mx.array(got[n]).astype(dtypes[n]) for n in arrays}
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: Any, optimizer: Any = None, keep_last: int = 3,
+                    **state: Any) -> Path | None:
+    """`run_dir/checkpoints/step_N` in mlxdist's format, by rank 0 while the others wait: the
+    model's parameters (trainable or not), the optimizer's state and `state` (JSON values)."""
+    model_arrays = _host(dict(tree_flatten(model.parameters())))
+    opt_arrays = _host(dict(tree_flatten(optimizer.state))) if optimizer is not None else {}
+    return _session.save_checkpoint(_NAME, run_dir, step, model_arrays, opt_arrays,
+                                    {"user": state, "optimizer": optimizer is not None}, keep_last)
+
+
+def load_checkpoint(where: str | Path, model: Any, optimizer: Any = None) -> dict[str, Any] | None:
+    """The newest whole checkpoint under `where` into `model` (strictly) and `optimizer` on every
+    rank; returns {"step": N, **state}, or None when there is none yet."""
+    found = _session.load_checkpoint(_NAME, where)
+    if found is None:
+        return None
+    arrays, opt_arrays, meta = found
+    dtypes = {n: a.dtype for n, a in tree_flatten(model.parameters())}
+    model.load_weights([(n, mx.array(a).astype(dtypes.get(n, mx.float32))) for n, a in arrays.items()], strict=True)
+    if optimizer is not None:
+        if not meta.get("optimizer"):
+            raise _session.ConfigError(f"{_NAME}.load_checkpoint({where}): the checkpoint holds no optimizer state "
+                                       "(saved without an optimizer); load it without one")
+        optimizer.state = tree_unflatten([(n, mx.array(a)) for n, a in opt_arrays.items()])
+    mx.eval(model.parameters())
+    return {"step": meta["step"], **meta["user"]}
+
+
+def _host(arrays: dict[str, mx.array]) -> dict[str, np.ndarray]:
+    return {n: np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a) for n, a in arrays.items()}
 
 
 def all_reduce(value: Any, op: str = "sum") -> Any:
@@ -131,4 +162,4 @@ def broadcast_object(obj: Any, root: int = 0) -> Any:
 
 
 __all__ = ["Info", "all_gather", "all_reduce", "average_gradients", "broadcast", "broadcast_object", "info", "init",
-           "shares", "should_stop"]
+           "load_checkpoint", "save_checkpoint", "shares", "should_stop"]

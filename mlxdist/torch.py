@@ -97,6 +97,54 @@ def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = 
             optimizer.load_state_dict(theirs)
 
 
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, keep_last: int = 3, **state: Any) -> Path | None:
+    """`run_dir/checkpoints/step_N` in mlxdist's format (written whole or not at all, with
+    checksums), by rank 0 while the others wait: the model's whole state dict, the optimizer's
+    state and `state` (JSON values: an epoch, a best score). The newest `keep_last` are kept.
+    Returns the path on rank 0."""
+    arrays = {n: _numpy(t) for n, t in model.state_dict().items()}
+    opt_arrays: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {"user": state}
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        meta["param_groups"], meta["scalars"] = sd["param_groups"], {}
+        for i, st in sd["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    opt_arrays[f"{i}.{k}"] = _numpy(v)
+                else:
+                    meta["scalars"][f"{i}.{k}"] = v
+    return _session.save_checkpoint(_NAME, run_dir, step, arrays, opt_arrays, meta, keep_last)
+
+
+def load_checkpoint(where: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                    ) -> dict[str, Any] | None:
+    """The newest whole checkpoint under `where` (a run dir or one `step_N`) into `model`
+    (strictly) and `optimizer`, on every rank; returns {"step": N, **state}, or None when there
+    is none yet. Any number of ranks can load what any number saved."""
+    found = _session.load_checkpoint(_NAME, where)
+    if found is None:
+        return None
+    arrays, opt_arrays, meta = found
+    own = model.state_dict()
+    model.load_state_dict({n: torch.from_numpy(np.array(a)).to(own[n].dtype if n in own else None)
+                           for n, a in arrays.items()}, strict=True)
+    if optimizer is not None:
+        if "param_groups" not in meta:
+            raise _session.ConfigError(f"{_NAME}.load_checkpoint({where}): the checkpoint holds no optimizer state "
+                                       "(saved without an optimizer); load it without one")
+        state: dict[int, dict[str, Any]] = {}
+        for key, a in opt_arrays.items():
+            i, k = key.split(".", 1)
+            state.setdefault(int(i), {})[k] = torch.from_numpy(np.array(a))
+        for key, v in meta.get("scalars", {}).items():
+            i, k = key.split(".", 1)
+            state.setdefault(int(i), {})[k] = v
+        optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    return {"step": meta["step"], **meta["user"]}
+
+
 class _Distributed:
     """Mixed into the optimizer's own class, so LR schedulers and `isinstance` see the
     optimizer they expect, sharing its state (`__dict__`)."""
@@ -247,4 +295,4 @@ def _cpu(tree: Any) -> Any:
 
 
 __all__ = ["DistributedOptimizer", "DistributedSampler", "Info", "all_gather", "all_reduce", "broadcast",
-           "broadcast_object", "info", "init", "shares", "should_stop"]
+           "broadcast_object", "info", "init", "load_checkpoint", "save_checkpoint", "shares", "should_stop"]

@@ -97,3 +97,48 @@ def test_shares_follow_the_config_s_nodes_and_a_lone_process_is_one_rank(tmp_pat
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0", "1", "cpu", "[16]", "2.0", "['x']"]
+
+
+@pytest.mark.cluster
+def test_a_checkpoint_of_2_ranks_resumes_on_one_like_no_interruption(tmp_path, split):
+    seed = ["--seed-by-rank"]
+    assert _run("torch_loop.py", [tmp_path / "whole.npz", "--steps", 6, *seed]).returncode == 0
+    r = _run("torch_loop.py", [tmp_path / "a.npz", "--steps", 3, "--run-dir", tmp_path / "run", "--config", split,
+                               *seed], np_=2)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from mlxdist.state import checkpoint as ckpt
+
+    assert ckpt.verify(tmp_path / "run" / "checkpoints" / "step_00000003") is None
+    r = _run("torch_loop.py", [tmp_path / "b.npz", "--steps", 6, "--run-dir", tmp_path / "run", *seed])
+    assert r.returncode == 0 and "done after 6 steps" in r.stderr, r.stderr[-2000:]
+    assert _worst(tmp_path / "whole.npz", tmp_path / "b.npz") < 1e-5
+
+
+@pytest.mark.cluster
+def test_a_stop_signal_ends_every_rank_at_the_same_step_and_the_script_saves(tmp_path):
+    import signal
+    import time
+
+    started = tmp_path / "started"
+    cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", sys.executable,
+           str(HERE / "torch_loop.py"), tmp_path / "s.npz", "--steps", "100000", "--sleep", "0.1", "--run-dir",
+           tmp_path / "run", "--started", started]
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(), cwd=HERE)
+    deadline = time.time() + 120
+    while not started.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)  # what launch/mlxrun sends; mpirun forwards it to the ranks
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    done = sorted(line for line in err.splitlines() if "done after" in line)
+    steps = {line.split("done after ")[1].split()[0] for line in done}
+    assert len(done) == 2 and len(steps) == 1, err[-2000:]
+    assert (tmp_path / "run" / "checkpoints" / f"step_{int(steps.pop()):08d}").is_dir()
+
+
+@pytest.mark.cluster
+def test_a_rank_that_stops_answering_is_named_by_the_others(tmp_path):
+    r = _run("torch_loop.py", [tmp_path / "f.npz", "--steps", 10, "--freeze-at", 2], np_=2, timeout=120)
+    assert r.returncode != 0
+    assert "no heartbeat from rank 1" in r.stderr and "gradient all-reduce" in r.stderr, r.stderr[-2000:]

@@ -1,6 +1,9 @@
-"""One rank of the `bench torchddp` baseline: the built-in model and batches, trained by the
-plainest DistributedDataParallel loop over gloo (started by mpirun; rank and size from
-Open MPI's environment, the rendezvous address from MLXDIST_DDP_MASTER)."""
+"""One rank of the `bench torchddp` baselines: the built-in model and batches, trained by the
+plainest PyTorch loop, synced either by DistributedDataParallel over gloo (`--loop ddp`; rank and
+size from Open MPI's environment, the rendezvous address from MLXDIST_DDP_MASTER) or by
+`mlxdist.torch` (`--loop yourloop`: `DistributedOptimizer.backward(loss, count)`, buckets sent
+while backward runs). Both started by mpirun; the model, optimizer, batches and the timed span
+(forward to zero_grad) are the same lines, only the sync differs."""
 
 from __future__ import annotations
 
@@ -12,45 +15,67 @@ import time
 
 def main() -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--loop", choices=("ddp", "yourloop"), default="ddp")
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args()
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     from ..config import load_config
     from ..data.sampler import GlobalSampler
     from ..models.build import build_torch
     from ..tasks.lm import lm_loss, lm_task
 
-    rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MLXDIST_DDP_MASTER']}", rank=rank,
-                            world_size=size)
+    ddp = args.loop == "ddp"
+    if ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+        dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MLXDIST_DDP_MASTER']}", rank=rank,
+                                world_size=size)
+    else:
+        import mlxdist.torch as md
+
+        info = md.init(device="cpu")
+        rank, size = info.rank, info.size
     cfg = load_config(None, ["data.source=synthetic", f"model.preset={args.preset}", f"data.seq_len={args.seq_len}",
                              f"train.batch_size={args.batch}"])
-    model = DistributedDataParallel(build_torch(cfg, torch.device("cpu")).module)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=cfg.train.weight_decay)
+    module = build_torch(cfg, torch.device("cpu")).module
+    if ddp:
+        model = DistributedDataParallel(module)  # broadcasts rank 0's weights
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=cfg.train.weight_decay)
+    else:
+        model = module
+        opt = md.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                                        weight_decay=cfg.train.weight_decay), model)
+        md.broadcast(model, opt)  # rank 0's weights, as DDP's constructor
     task = lm_task(cfg)
     sampler = GlobalSampler(len(task.dataset), cfg.train.seed)
-    times = []
+    times, losses = [], []
     for step in range(args.steps):
         start = step * args.batch * size + rank * args.batch
         batch = task.make_batch(task.dataset, sampler.indices(start, args.batch))
         tokens = torch.from_numpy(batch.data["tokens"])
         t0 = time.perf_counter()
-        loss = lm_loss(model, {"tokens": tokens}) / batch.count  # DDP averages across ranks
-        loss.backward()
+        loss = lm_loss(model, {"tokens": tokens}) / batch.count  # a mean: DDP averages across ranks
+        if ddp:
+            loss.backward()
+        else:
+            opt.backward(loss, count=batch.count)  # buckets go out as backward finishes them
+            opt.synchronize()  # the global sum / units, before clipping by the global norm
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))  # rank 0's: the same batches, so the same in both loops
     if rank == 0:
         with open(os.environ["MLXDIST_DDP_OUT"], "w") as f:
-            json.dump({"step_s": times}, f)
-    dist.destroy_process_group()
+            json.dump({"step_s": times, "loss": losses}, f)
+    if ddp:
+        dist.destroy_process_group()
     return 0
 
 

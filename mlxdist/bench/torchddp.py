@@ -2,9 +2,12 @@
 `torch.nn.parallel.DistributedDataParallel` with gloo (what a Mac user can run today, on CPU
 tensors), side by side in one run: the same model, the same batches, the same step count.
 
-Prints the median step time of each (ours / DDP's; target <= 1.0), and with our overlap
-turned off, the exposed all-reduce time against the link's limit: 2(n-1)/n of the gradient
-bytes at `--rate` (target >= 0.9). One host by default; `--simcluster N` runs on N namespace
+A third contender is the same plain PyTorch loop as DDP's, synced by `mlxdist.torch` instead
+(your-loop mode: `DistributedOptimizer.backward(loss, count)`, buckets sent during backward).
+
+Prints the median step time of each (ours / DDP's; target <= 1.0; your loop / DDP's; target
+<= 1.05), and with our overlap turned off, the exposed all-reduce time against the link's
+limit: 2(n-1)/n of the gradient bytes at `--rate` (target >= 0.9). One host by default; `--simcluster N` runs on N namespace
 hosts joined by links shaped to `--rate` (root).
 """
 
@@ -93,19 +96,25 @@ def main(argv: list[str] | None = None) -> int:
 
             runs = _runs(launch, common, ddp_args, Path(tmp), "127.0.0.1", args.timeout)
             result |= {"hosts": 1, "ranks": n}
-    ours, ours_plain, ddp = runs
+    ours, ours_plain, ddp, yours = runs
     med = lambda xs: statistics.median(xs[args.skip:])  # noqa: E731
     ours_s, plain_s = med([e["step_s"] for e in ours]), med([e["step_s"] for e in ours_plain])
-    ddp_s, sync_s = med(ddp), med([e["sync_s"] for e in ours_plain])
+    ddp_s, sync_s = med(ddp["step_s"]), med([e["sync_s"] for e in ours_plain])
+    yours_s = med(yours["step_s"])
     nbytes = med([e["sync_bytes"] for e in ours_plain])
+    loss_diff = max(abs(a - b) for a, b in zip(ddp["loss"], yours["loss"], strict=True))
     result |= {"ddp_step_s": ddp_s, "ours_step_s": ours_s, "ours_no_overlap_step_s": plain_s,
                "ratio_ours_to_ddp": ours_s / ddp_s, "sync_s_no_overlap": sync_s, "sync_bytes": nbytes,
-               "early_buckets": med([e.get("sync_overlapped", 0) for e in ours])}
+               "early_buckets": med([e.get("sync_overlapped", 0) for e in ours]),
+               "yourloop_step_s": yours_s, "ratio_yourloop_to_ddp": yours_s / ddp_s,
+               "yourloop_ddp_max_loss_diff": loss_diff}
     print(f"{n} ranks{' on ' + str(n) + ' hosts at ' + args.rate if args.simcluster else ' on one host'}, "
           f"model {args.preset}, {args.batch} x {args.seq_len} tokens per rank per step, median of steps "
           f"{args.skip + 1}-{args.steps}")
     print(f"DDP (gloo) {ddp_s:.3f} s/step | mlxdist torch {ours_s:.3f} s/step (overlap on), {plain_s:.3f} "
           f"(off) | ours / DDP = {ours_s / ddp_s:.3f} (target <= 1.0)")
+    print(f"your loop (mlxdist.torch, the DDP loop's lines) {yours_s:.3f} s/step | your loop / DDP = "
+          f"{yours_s / ddp_s:.3f} (target <= 1.05); losses step by step within {loss_diff:.1e} of DDP's")
     if args.simcluster:
         ideal = nbytes * 2 * (n - 1) / n * 8 / rate_bits(args.rate)
         result |= {"link_ideal_s": ideal, "link_fraction": ideal / sync_s}
@@ -115,18 +124,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _runs(launch, common: list[str], ddp_args: list[str], tmp: Path, master: str, timeout: float):
-    """Ours with overlap, ours without, DDP: interleaved in one run, the same batches."""
+    """Ours with overlap, ours without, DDP, the DDP loop on mlxdist.torch: one after the other
+    in one run, the same batches."""
     out = []
     for tag, extra in (("ours", []), ("plain", ["dist.overlap=false"])):
         run_dir = tmp / tag
         cmd = launch([sys.executable, "-m", "mlxdist.train", *common, *extra, f"train.out_dir={run_dir}"], {})
         check(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO), f"mlxdist ({tag})")
         out.append([e for e in read_events(run_dir) if e["event"] == "step"])
-    result = tmp / "ddp.json"
-    env = {"MLXDIST_DDP_MASTER": f"{master}:{_free_port()}", "MLXDIST_DDP_OUT": str(result)}
-    cmd = launch([sys.executable, *ddp_args], env)
-    check(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO), "DDP (gloo)")
-    out.append(json.loads(result.read_text())["step_s"])
+    for loop, what in (("ddp", "DDP (gloo)"), ("yourloop", "your loop (mlxdist.torch)")):
+        result = tmp / f"{loop}.json"
+        env = {"MLXDIST_DDP_MASTER": f"{master}:{_free_port()}", "MLXDIST_DDP_OUT": str(result)}
+        cmd = launch([sys.executable, *ddp_args, "--loop", loop], env)
+        check(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO), what)
+        out.append(json.loads(result.read_text()))
     return out
 
 

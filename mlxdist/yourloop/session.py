@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -194,3 +195,46 @@ def my_slice(shares: Sequence[int], rank: int) -> tuple[int, int]:
     from ..data.sampler import rank_slice
 
     return rank_slice(list(shares), rank)
+
+
+def save_checkpoint(module: str, run_dir: str | os.PathLike, step: int, model: dict[str, np.ndarray],
+                    optimizer: dict[str, np.ndarray], state: dict[str, Any], keep_last: int) -> Path | None:
+    """Rank 0 writes `run_dir/checkpoints/step_N` in the trainer's format (atomic, checksummed,
+    the newest `keep_last` kept); every rank waits for it. Returns the path on rank 0."""
+    from ..state import checkpoint as ckpt
+
+    s = current(module)
+    path = None
+    if s.world.is_main:
+        root = Path(run_dir) / "checkpoints"
+        meta = {"step": int(step), "world_size": s.size, "your_loop": module, "loop_state": state}
+        path = ckpt.save(root, int(step), model, optimizer, meta)
+        ckpt.apply_retention(root, keep_last, keep_best=False, newest=path)
+    s.world.barrier("waiting for the checkpoint writer", patience=10)
+    return path
+
+
+def load_checkpoint(module: str, where: str | os.PathLike
+                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]] | None:
+    """Rank 0 reads the newest whole checkpoint under `where` (a run dir, its `checkpoints/`,
+    or one `step_N`), every rank gets its arrays and state; None when there is none."""
+    from ..state import checkpoint as ckpt
+
+    s = current(module)
+    loaded = None
+    if s.world.is_main:
+        p = Path(where)
+        if (p / ckpt.MANIFEST).is_file():
+            loaded = ckpt.load(p)
+        else:
+            loaded = ckpt.load_latest(p / "checkpoints" if (p / "checkpoints").is_dir() else p,
+                                      warn=lambda m: sys.stderr.write(f"{module}: {m}\n"))
+    found = s.world.bcast(None if loaded is None else loaded.state)
+    if found is None:
+        return None
+    if "loop_state" not in found:
+        raise ConfigError(f"{module}.load_checkpoint({where}): a checkpoint of mlxdist's trainer, not of a loop "
+                          "(resume it with python -m mlxdist.train --resume)")
+    model = s.world.broadcast_arrays(loaded.weights if s.world.is_main else {})
+    optimizer = s.world.broadcast_arrays(loaded.optimizer if s.world.is_main else {})
+    return model, optimizer, {"step": found["step"], **found["loop_state"]}

@@ -1,0 +1,212 @@
+"""A Hugging Face `Trainer` across Macs: change one import, start the script with mpirun.
+
+    from mlxdist.hf import Trainer                     # was: from transformers import Trainer
+    args = TrainingArguments("out", per_device_train_batch_size=8, ...)   # the cluster's batch
+    Trainer(model=model, args=args, train_dataset=data).train()
+
+    MLXDIST_CONFIG=cluster.yaml mpirun -np 2 -x MLXDIST_CONFIG python train.py
+
+Every rank runs the whole script; transformers and accelerate each see one process (no
+torch.distributed), on the device they pick (mps on a Mac). mlxdist does the rest:
+
+- `per_device_train_batch_size` is the batch of the whole cluster, what the same script
+  trains with as one process; each rank takes its share of it (`nodes:` batch sizes of the
+  config in `MLXDIST_CONFIG` or `mlxdist_config=`, equal shares without one) from a stream of
+  samples that depends only on (seed, position), so 3 + 5 samples are the one process's 8.
+- Gradients are summed over ranks weighed by what the Trainer's loss averages over: the
+  label tokens of the step when the loss is normalised by `num_items_in_batch` (causal LMs),
+  else the samples. This happens after the step's last backward, so gradient clipping
+  (`max_grad_norm`) and the logged grad norm see the cluster's gradients; the logged loss is
+  the cluster's too.
+- The optimizer the Trainer creates is wrapped (`mlxdist.torch.DistributedOptimizer`) and
+  rank 0's weights and optimizer state are sent to every rank before the first step.
+- Only rank 0 logs, reports (`report_to`) and writes checkpoints; `save_total_limit` and
+  `resume_from_checkpoint` work as usual (a checkpoint only rank 0 has is sent to the others).
+- Ctrl-C or SIGTERM on any rank stops every rank after the same step, with a checkpoint when
+  `save_strategy` is not "no".
+
+Evaluation runs whole on every rank (the same numbers; rank 0 logs them).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+
+from . import torch as md
+from .config import ConfigError
+from .yourloop import session as _session
+
+_NAME = "mlxdist.hf"
+_CHUNK = 1 << 28  # bytes of a checkpoint file per broadcast
+
+
+class _NotRankZero:
+    """Mixed into a rank's TrainingArguments on every rank but 0: it neither writes nor logs."""
+
+    @property
+    def should_save(self) -> bool:
+        return False
+
+    @property
+    def should_log(self) -> bool:
+        return False
+
+
+def _quiet_args(args: Any) -> None:
+    if args is not None and not isinstance(args, _NotRankZero):
+        args.__class__ = type(type(args).__name__, (_NotRankZero, type(args)), {})
+
+
+class _StopTogether(transformers.TrainerCallback):
+    """Ctrl-C / SIGTERM on any rank (mlxdist holds those signals): every rank stops after the
+    same step, saving a checkpoint to resume from."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if md.should_stop():
+            control.should_training_stop = True
+            control.should_save = args.save_strategy != "no"
+        return control
+
+
+class DistributedTrainer:
+    """Mix into a `transformers.Trainer` subclass (`class T(DistributedTrainer, SFTTrainer)`),
+    or use `mlxdist.hf.Trainer`. Takes `mlxdist_config=` (else `$MLXDIST_CONFIG`)."""
+
+    def __init__(self, model=None, args=None, *rest, mlxdist_config: str | os.PathLike | None = None, **kwargs):
+        md.init(mlxdist_config or os.environ.get("MLXDIST_CONFIG") or None)
+        rank = _session.current(_NAME).rank
+        if rank != 0:
+            _quiet_args(args)
+        super().__init__(model, args, *rest, **kwargs)
+        if rank != 0:
+            _quiet_args(self.args)  # the default arguments the Trainer made itself
+        if self.args.world_size > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ConfigError(f"{_NAME}: accelerate started torch.distributed ({self.args.world_size} processes; "
+                              "`use_cpu=True` or ACCELERATE_USE_CPU under mpirun does that): mlxdist syncs the "
+                              "ranks itself, so leave the device to the Trainer")
+        if self.args.auto_find_batch_size:
+            raise ConfigError(f"{_NAME}: auto_find_batch_size would change the cluster's batch on one rank only; "
+                              "set per_device_train_batch_size (the cluster's batch, split by `nodes:`)")
+        self.add_callback(_StopTogether())
+        self._md_opt = None
+        self._md_samples, self._md_loss = 0, 0.0
+
+    # ---- who writes ----
+
+    def is_world_process_zero(self) -> bool:
+        return _session.current(_NAME).rank == 0 and super().is_world_process_zero()
+
+    def is_local_process_zero(self) -> bool:  # one Mac a rank: "local" printing would repeat on each
+        return self.is_world_process_zero()
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if _session.current(_NAME).rank == 0:
+            super()._save_checkpoint(model, trial)
+
+    # ---- data: this rank's share of every global batch ----
+
+    def get_train_dataloader(self):
+        data = self.train_dataset
+        if data is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__len__"):
+            raise ConfigError(f"{_NAME}: the train_dataset has no length; the ranks split a sized dataset "
+                              "(e.g. a datasets.Dataset, not streaming=True)")
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        sampler = md.DistributedSampler(len(data), self._train_batch_size, seed=seed)
+        return self._get_dataloader(dataset=data, description="Training", batch_size=sampler.batch_size,
+                                    sampler_fn=lambda _data: sampler, is_training=True)
+
+    # ---- gradients: summed over ranks after the step's last backward ----
+
+    def create_optimizer(self, model=None):
+        opt = super().create_optimizer() if model is None else super().create_optimizer(model)
+        if not isinstance(opt, md._Distributed):
+            self.optimizer = md.DistributedOptimizer(opt, self.model)
+            md.broadcast(self.model, self.optimizer)
+        self._md_opt = self.optimizer
+        return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        samples = _batch_size(inputs)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._md_samples += samples
+        self._md_loss += float(loss)
+        if not self.accelerator.gradient_state.sync_gradients:
+            return loss
+        scaled = (self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None
+                  else (self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                  or self.compute_loss_func is not None)
+        count = int(num_items_in_batch) if scaled and num_items_in_batch is not None else self._md_samples
+        weighted, units = md.all_reduce(np.array([self._md_loss * count, count], dtype=np.float64))
+        self._md_opt.synchronize(count)  # before the Trainer clips: the clip sees the cluster's gradients
+        cluster_loss = weighted / units if units > 0 else 0.0
+        # The Trainer adds up the returned losses of a step: make that sum the cluster's loss.
+        out = cluster_loss - (self._md_loss - float(loss))
+        self._md_samples, self._md_loss = 0, 0.0
+        return torch.tensor(out, dtype=loss.dtype, device=loss.device)
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self._train_batch_size * args.gradient_accumulation_steps
+
+    # ---- resume: every rank reads rank 0's checkpoint ----
+
+    def train(self, resume_from_checkpoint=None, *rest, **kwargs):
+        s = _session.current(_NAME)
+        if resume_from_checkpoint is True:
+            last = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir) if s.rank == 0 else None
+            resume_from_checkpoint = md.broadcast_object(last)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint:
+            _share_folder(s, str(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint or None, *rest, **kwargs)
+
+
+class Trainer(DistributedTrainer, transformers.Trainer):
+    """`transformers.Trainer` across the ranks mpirun started (see the module's docstring)."""
+
+
+def _batch_size(inputs: Any) -> int:
+    for value in (inputs.values() if isinstance(inputs, dict) else [inputs]):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise ConfigError(f"{_NAME}: a batch without a tensor to count its samples in ({type(inputs).__name__})")
+
+
+def _share_folder(s: _session.Session, path: str) -> None:
+    """`path` (a checkpoint folder) on every rank: sent from rank 0 to ranks that lack it."""
+    have = s.world.allgather(os.path.isdir(path))
+    if not have[0]:
+        raise ConfigError(f"{_NAME}: resume_from_checkpoint {path} is not a folder on rank 0")
+    if all(have):
+        return
+    root = Path(path)
+    files = s.world.bcast(sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+                          if s.rank == 0 else None, 0)
+    for rel in files:
+        size = s.world.bcast((root / rel).stat().st_size if s.rank == 0 else None, 0)
+        target = root / rel
+        out = None
+        if not have[s.rank]:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            out = open(target, "wb")  # noqa: SIM115 - written chunk by chunk below
+        src = open(root / rel, "rb") if s.rank == 0 else None  # noqa: SIM115
+        try:
+            for _ in range(max(1, -(-size // _CHUNK))):
+                chunk = s.world.bcast(src.read(_CHUNK) if src is not None else None, 0)
+                if out is not None:
+                    out.write(chunk)
+        finally:
+            for f in (out, src):
+                if f is not None:
+                    f.close()
+
+
+__all__ = ["DistributedTrainer", "Trainer"]
