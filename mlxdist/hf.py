@@ -40,6 +40,7 @@ import transformers
 
 from . import torch as md
 from .config import ConfigError
+from .markers import write_line
 from .yourloop import session as _session
 
 _NAME = "mlxdist.hf"
@@ -129,7 +130,7 @@ class DistributedTrainer:
         opt = super().create_optimizer() if model is None else super().create_optimizer(model)
         if not isinstance(opt, md._Distributed):
             self.optimizer = md.DistributedOptimizer(opt, self.model)
-            md.broadcast(self.model, self.optimizer)
+            _start_from_rank_0(self.model, self.optimizer)
         self._md_opt = self.optimizer
         return self.optimizer
 
@@ -178,6 +179,34 @@ def _batch_size(inputs: Any) -> int:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return int(value.shape[0])
     raise ConfigError(f"{_NAME}: a batch without a tensor to count its samples in ({type(inputs).__name__})")
+
+
+def _fingerprint(t: torch.Tensor) -> list[float]:
+    f = t.detach().float().flatten()
+    return torch.stack([f.sum(), f.abs().sum(), f[::7].sum()]).tolist()
+
+
+def _start_from_rank_0(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """`mlxdist.torch.broadcast(model, optimizer)` that sends only the tensors some rank has
+    otherwise (by a fingerprint of each): a LoRA's pretrained base, the same on every rank, stays
+    put rather than going over the network, and through rank 0's memory, at every start."""
+    s = _session.current(_NAME)
+    state = model.state_dict()
+    _session.check_same_shapes(s, {n: tuple(t.shape) for n, t in state.items()}, f"{_NAME}.Trainer")
+    if s.size == 1:
+        return
+    theirs = s.world.allgather({n: _fingerprint(t) for n, t in state.items()})
+    differ = [n for n in state if any(p[n] != theirs[0][n] for p in theirs[1:])]
+    with torch.no_grad():
+        for name in differ:
+            t = state[name]
+            arrays = s.world.broadcast_arrays({name: md._numpy(t)} if s.rank == 0 else {}, 0)
+            t.copy_(torch.from_numpy(np.array(arrays[name])).to(t.dtype))
+    if optimizer.state:  # a fresh optimizer has none
+        optimizer.load_state_dict(s.world.bcast(md._cpu(optimizer.state_dict()) if s.rank == 0 else None, 0))
+    if differ and s.rank == 0:
+        write_line(f"{_NAME}: {len(differ)} of {len(state)} tensors differed between ranks; every rank has "
+                   "rank 0's now")
 
 
 def _share_folder(s: _session.Session, path: str) -> None:

@@ -96,6 +96,23 @@ def _op(reduce_op: Any) -> str:
     return ops[name]
 
 
+class _Sampler(md.DistributedSampler):
+    """`md.DistributedSampler` as Lightning counts a resumed epoch: its full length (Lightning
+    counts the batches done before the checkpoint), from `start_step` in that epoch only."""
+
+    def __init__(self, n_samples: int, global_batch: int, seed: int, start_step: int, epoch: int):
+        super().__init__(n_samples, global_batch, seed, start_step)
+        self.epoch, self._resumed_epoch = epoch, epoch
+
+    def __len__(self) -> int:
+        return self.steps * self.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if epoch != self._resumed_epoch:
+            self.start_step = 0
+
+
 class _Params(torch.nn.Module):
     """One optimizer's parameters, in the module's order (several optimizers: each sums its own)."""
 
@@ -207,7 +224,9 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
                                  "(the global batch, which each rank takes its share of); an IterableDataset or a "
                                  "batch_sampler cannot be split by samples")
             seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-            sampler = md.DistributedSampler(len(dataloader.dataset), dataloader.batch_size, seed)
+            loop = trainer.fit_loop.epoch_loop  # a run resumed mid-epoch goes on where it stopped
+            done = loop.batch_progress.current.processed if loop.restarting else 0
+            sampler = _Sampler(len(dataloader.dataset), dataloader.batch_size, seed, done, trainer.current_epoch)
             if type(dataloader) is DataLoader:
                 keys = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
                         "multiprocessing_context", "generator", "persistent_workers", "pin_memory_device", "in_order")
@@ -328,4 +347,4 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
     return MLXDistStrategy
 
 
-__all__ = ["MLXDistStrategy", "strategy_class"]
+__all__ = ["MLXDistStrategy", "strategy_class"]  # noqa: F822 - MLXDistStrategy: built on first use (__getattr__)

@@ -6,6 +6,7 @@ marked md). A tiny random Llama learns random token sequences.
 """
 
 import argparse
+import os
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ p.add_argument("--save-steps", type=int, default=0)
 p.add_argument("--resume")
 p.add_argument("--max-grad-norm", type=float, default=0.05)
 p.add_argument("--optim", default="adamw_torch")
+p.add_argument("--optim-args")
+p.add_argument("--lr", type=float, default=1e-2)
+p.add_argument("--seed-by-rank", action="store_true")  # a model that differs per rank until broadcast
 args = p.parse_args()
 
 
@@ -37,7 +41,7 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-torch.manual_seed(0)
+torch.manual_seed(int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)) if args.seed_by_rank else 0)
 config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=64)
 model = LlamaForCausalLM(config)
@@ -46,8 +50,9 @@ model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, ta
 
 training_args = TrainingArguments(
     output_dir=args.out, per_device_train_batch_size=args.batch, gradient_accumulation_steps=args.accum,
-    max_steps=args.steps, learning_rate=1e-2, lr_scheduler_type="linear", weight_decay=0.01,
-    max_grad_norm=args.max_grad_norm, optim=args.optim, logging_steps=1, report_to="none", seed=0,
+    max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="linear", weight_decay=0.01,
+    max_grad_norm=args.max_grad_norm, optim=args.optim, optim_args=args.optim_args,
+    logging_steps=1, report_to="none", seed=0,
     save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, save_total_limit=2,
     dataloader_pin_memory=False,
 )

@@ -1,0 +1,126 @@
+"""A Lightning Trainer on mlxdist (`mlxdist.lightning.MLXDistStrategy`) keeps 3+5 == 8: a small
+LightningModule (an MLP, SGD with momentum, a StepLR schedule) trained 4 steps by one process
+with a global batch of 8 and by 2 ranks taking 3 and 5 of it ends with the same weights; only
+rank 0 logs and checkpoints. The script is tests/yourloop/lightning_script.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import env, mpirun_path
+
+HERE = Path(__file__).parent / "yourloop"
+SPLIT = "nodes:\n  rank0: {batch_size: 3}\n  rank1: {batch_size: 5}\nmetrics: {port: 0}\n"
+
+needs_lightning = pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
+                                     reason="pytorch-lightning is not installed (the `lightning` extra)")
+
+
+def _run(out: Path, modes: str, np_: int = 0, config: Path | None = None) -> tuple[list[dict], str]:
+    cmd = [sys.executable, str(HERE / "lightning_script.py"), str(out), "--modes", modes, "--root", str(out.parent)]
+    cmd += ["--config", str(config)] if config else []
+    if np_:
+        cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", str(np_), "-x", "PYTHONPATH",
+               "-x", "OPENBLAS_NUM_THREADS", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=240, cwd=out.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    views = [json.loads(line.split(" ", 1)[1]) for line in r.stderr.splitlines() if line.startswith("VIEW ")]
+    return views, r.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process (the plain script without the strategy, timed before and after, and with
+    it), then 2 ranks with 3 + 5: both launches once, read by the tests below."""
+    base = tmp_path_factory.mktemp("lightning")
+    (base / "one").mkdir()
+    (base / "two").mkdir()
+    split = base / "split.yaml"
+    split.write_text(SPLIT)
+    one, _ = _run(base / "one" / "w", "plain,samples,tokens,resume,plain")
+    two, stderr = _run(base / "two" / "w", "samples,tokens,resume", np_=2, config=split)
+    return base, one, two, stderr
+
+
+@needs_lightning
+@pytest.mark.cluster
+@pytest.mark.parametrize("mode", ["samples", "tokens"])
+def test_a_lightning_module_on_3_plus_5_ranks_equals_one_process_with_8(runs, mode):
+    """samples: a mean loss, weighed by the batch's size; tokens: a mean over weighted units
+    returned with {"loss", "count"}, 2 accumulated micro-batches and gradient clipping."""
+    base = runs[0]
+    a, b = np.load(base / "one" / f"w-{mode}.npz"), np.load(base / "two" / f"w-{mode}.npz")
+    assert a.files == b.files
+    worst = max(float(np.abs(a[k] - b[k]).max()) for k in a.files if k != "loss")
+    print(f"{mode}: 3+5 against 8, largest weight difference {worst:.1e}")
+    assert worst < 1e-5
+    assert float(a["loss"]) == pytest.approx(float(b["loss"]), abs=1e-5)
+
+
+@needs_lightning
+@pytest.mark.cluster
+def test_a_run_resumed_from_a_checkpoint_only_rank_0_has_ends_as_the_run_that_never_stopped(runs):
+    """2 steps, a checkpoint (written by rank 0 only), a fresh model on every rank resuming from
+    it mid-epoch (rank 1 given a path it lacks): the 4-step run's weights, on 1 and 2 ranks."""
+    base = runs[0]
+    straight = np.load(base / "one" / "w-samples.npz")
+    for where in ("one", "two"):
+        resumed = np.load(base / where / "w-resume.npz")
+        assert max(float(np.abs(straight[k] - resumed[k]).max()) for k in straight.files if k != "loss") < 1e-5
+
+
+@needs_lightning
+@pytest.mark.cluster
+def test_each_rank_knows_its_place_and_takes_its_share_of_the_batch(runs):
+    _, one, two, _ = runs
+    assert [(v["mode"], v["world_size"], v["batch"], v["steps"]) for v in one] == [
+        ("plain", 1, 8, 4), ("samples", 1, 8, 4), ("tokens", 1, 8, 4), ("resume", 1, None, 4),
+        ("plain", 1, 8, 4)]
+    for v in two:
+        assert (v["global_rank"], v["world_size"], v["is_global_zero"], v["batch"], v["steps"]) == \
+            (v["rank"], 2, v["rank"] == 0, None if v["mode"] == "resume" else [3, 5][v["rank"]], 4), v
+        assert v["gathered"] == [0.0, 1.0] and v["any"] is True and v["all"] is False  # all_gather, decisions
+    assert sorted((v["mode"], v["rank"]) for v in two) == [("resume", 0), ("resume", 1), ("samples", 0),
+                                                            ("samples", 1), ("tokens", 0), ("tokens", 1)]
+
+
+@needs_lightning
+@pytest.mark.cluster
+def test_only_rank_0_logs_and_writes_checkpoints(runs):
+    base, _, _, stderr = runs
+    two = base / "two"
+    for i, mode in enumerate(["samples", "tokens"]):
+        assert not (two / f"{i}-{mode}" / "rank1").exists()
+        files = sorted(p.relative_to(two / f"{i}-{mode}" / "rank0").as_posix()
+                       for p in (two / f"{i}-{mode}" / "rank0").rglob("*") if p.is_file())
+        assert files == ["lightning_logs/version_0/checkpoints/epoch=0-step=4.ckpt",
+                         "lightning_logs/version_0/metrics.csv"], files
+        assert "train_loss" in (two / f"{i}-{mode}" / "rank0" / "lightning_logs/version_0/metrics.csv").read_text()
+    assert stderr.count("GPU available:") == 4  # once per Trainer (4 in that launch): rank 0's
+
+
+@needs_lightning
+@pytest.mark.cluster
+def test_the_strategy_s_overhead_on_one_rank_is_reported(runs):
+    """Not asserted: the seconds of `fit` (4 steps) for the plain script and with the strategy."""
+    _, one, two, _ = runs
+    plain = min(v["seconds"] for v in one if v["mode"] == "plain")
+    ours = next(v["seconds"] for v in one if v["mode"] == "samples")
+    ranks = max(v["seconds"] for v in two if v["mode"] == "samples")
+    print(f"fit, 4 steps: plain Lightning {plain:.3f} s, MLXDistStrategy on 1 rank {ours:.3f} s "
+          f"({ours - plain:+.3f} s), on 2 ranks (3+5, one machine) {ranks:.3f} s")
+
+
+def test_lightning_s_reduce_ops_map_to_mlxdist_s():
+    from mlxdist.lightning import _op
+
+    assert [_op(x) for x in (None, "mean", "avg", "sum", "max", "min")] == ["mean", "mean", "mean", "sum", "max",
+                                                                             "min"]
+    with pytest.raises(ValueError, match="reduce_op"):
+        _op("product")
