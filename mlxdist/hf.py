@@ -18,18 +18,26 @@ torch.distributed), on the device they pick (mps on a Mac). mlxdist does the res
   else the samples. This happens after the step's last backward, so gradient clipping
   (`max_grad_norm`) and the logged grad norm see the cluster's gradients; the logged loss is
   the cluster's too.
-- The optimizer the Trainer creates is wrapped (`mlxdist.torch.DistributedOptimizer`) and
-  rank 0's weights and optimizer state are sent to every rank before the first step.
+- The optimizer the Trainer creates is wrapped (`mlxdist.torch.DistributedOptimizer`); the
+  tensors some rank has otherwise than rank 0 (a LoRA's random init; not the pretrained base
+  every rank loaded) are sent from rank 0 before the first step.
 - Only rank 0 logs, reports (`report_to`) and writes checkpoints; `save_total_limit` and
-  `resume_from_checkpoint` work as usual (a checkpoint only rank 0 has is sent to the others).
+  `resume_from_checkpoint` work as usual (a checkpoint folder that another rank lacks, or holds
+  from another run, is sent there from rank 0).
 - Ctrl-C or SIGTERM on any rank stops every rank after the same step, with a checkpoint when
   `save_strategy` is not "no".
 
-Evaluation runs whole on every rank (the same numbers; rank 0 logs them).
+Not here: the gradient sum starts after the step's last backward rather than during it; the
+training sampler is mlxdist's (`train_sampling_strategy` / `group_by_length` are not used);
+evaluation runs whole on every rank (the same numbers; rank 0 logs them); at the end rank 0
+holds the model to keep (`load_best_model_at_end` loads it there only). `use_cpu=True` under
+mpirun makes accelerate start torch.distributed before mlxdist is asked: leave the device to
+the Trainer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -209,25 +217,42 @@ def _start_from_rank_0(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
                    "rank 0's now")
 
 
+def _folder_signature(root: Path) -> tuple | None:
+    """A checkpoint folder's files, their sizes and its trainer state (whose log history tells
+    one run's checkpoint from another's); None where there is no folder."""
+    if not root.is_dir():
+        return None
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    state = root / "trainer_state.json"
+    digest = hashlib.sha256(state.read_bytes()).hexdigest() if state.is_file() else ""
+    return tuple(files), tuple((root / f).stat().st_size for f in files), digest
+
+
 def _share_folder(s: _session.Session, path: str) -> None:
-    """`path` (a checkpoint folder) on every rank: sent from rank 0 to ranks that lack it."""
-    have = s.world.allgather(os.path.isdir(path))
-    if not have[0]:
-        raise ConfigError(f"{_NAME}: resume_from_checkpoint {path} is not a folder on rank 0")
-    if all(have):
-        return
+    """`path` (a checkpoint folder) the same on every rank: rank 0's is sent to the ranks that
+    lack it, or hold another (a Mac without the disk rank 0 wrote to)."""
     root = Path(path)
-    files = s.world.bcast(sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-                          if s.rank == 0 else None, 0)
-    for rel in files:
-        size = s.world.bcast((root / rel).stat().st_size if s.rank == 0 else None, 0)
-        target = root / rel
-        out = None
-        if not have[s.rank]:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            out = open(target, "wb")  # noqa: SIM115 - written chunk by chunk below
-        src = open(root / rel, "rb") if s.rank == 0 else None  # noqa: SIM115
+    sigs = s.world.allgather(_folder_signature(root))
+    if sigs[0] is None:
+        raise ConfigError(f"{_NAME}: resume_from_checkpoint {path} is not a folder on rank 0")
+    receivers = [r for r, sig in enumerate(sigs) if sig != sigs[0]]
+    if not receivers:
+        return
+    if s.rank == 0:
+        write_line(f"{_NAME}: sending checkpoint {path} to rank(s) {', '.join(map(str, receivers))}")
+    receive = s.rank in receivers
+    files = sigs[0][0]
+    if receive and sigs[s.rank] is not None:  # another run's checkpoint here: rank 0's replaces it
+        for rel in set(sigs[s.rank][0]) - set(files):
+            (root / rel).unlink()
+    for rel, size in zip(files, sigs[0][1], strict=True):
+        out = src = None
         try:
+            if receive:
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                out = open(root / rel, "wb")  # noqa: SIM115 - written chunk by chunk below
+            if s.rank == 0:
+                src = open(root / rel, "rb")  # noqa: SIM115
             for _ in range(max(1, -(-size // _CHUNK))):
                 chunk = s.world.bcast(src.read(_CHUNK) if src is not None else None, 0)
                 if out is not None:

@@ -8,6 +8,7 @@ resuming from a checkpoint only rank 0 has sends it to rank 1."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +90,15 @@ def test_only_rank_0_writes_and_keeps_save_total_limit(runs):
 @pytest.mark.cluster
 def test_resuming_from_rank_0_s_checkpoint_equals_the_uninterrupted_run(runs):
     base = runs / "two"
+    stale = base / "rank1" / "out" / "checkpoint-3"  # another run's, on rank 1's own disk: replaced
+    shutil.copytree(base / "rank0" / "out" / "checkpoint-4", stale)
+    (stale / "stale.txt").write_text("x")
     r = _two(base, runs / "split.yaml", "resumed", "--resume", "out/checkpoint-3", *TRAIN)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (base / "rank1" / "out" / "checkpoint-3" / "optimizer.pt").exists()  # sent from rank 0
+    assert "mlxdist.hf: sending checkpoint out/checkpoint-3 to rank(s) 1" in r.stderr
+    assert sorted(p.name for p in stale.iterdir()) == sorted(p.name for p in (base / "rank0" / "out" /
+                                                                               "checkpoint-3").iterdir())
+    assert (stale / "trainer_state.json").read_text() == \
+        (base / "rank0" / "out" / "checkpoint-3" / "trainer_state.json").read_text()
     assert _worst(base / "rank0" / "out" / "final.npz", base / "rank0" / "resumed" / "final.npz") < 1e-6
     assert not (base / "rank1" / "resumed").exists()
