@@ -149,6 +149,10 @@ class DistConfig:
     """How ranks exchange gradients (ddp) or weights (diloco)."""
 
     mode: str = field(default="ddp", metadata=_range(choices=("ddp", "diloco")))
+    shard: str = field(default="none", metadata=_range(
+        choices=("none", "optimizer", "gradients", "weights", "auto"),
+        help="data parallel, sharded: optimizer state (ZeRO-1), + gradients (ZeRO-2), + weights (ZeRO-3); "
+             "auto: the least that fits every rank's memory; shards sized to each rank's memory"))
     backend: str = field(default="auto", metadata=_range(choices=("auto", "mlx-mpi", "mlx-ring", "mlx-jaccl", "mpi4py")))
     bucket_mb: float = field(default=25.0, metadata=_range(0.01))
     wire_dtype: str = field(default="float32", metadata=_range(choices=("float32", "bfloat16", "float16")))
