@@ -131,6 +131,14 @@ class World:
     _heartbeat: Any = None
     _suspended: tuple[float, float] | None = None  # (noticed at, seconds) of this rank's own freeze
 
+    def agreed_error(self, text: str) -> ConfigError:
+        """An error every rank raises together, decided from the same config or gathered facts:
+        rank 0 says it, nobody aborts the others, exit 2."""
+        err = ConfigError(text)
+        err.all_ranks = True
+        err.quiet = not self.is_main
+        return err
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0

@@ -86,6 +86,9 @@ class Engine(Protocol):
         """Generated tokens (not the prompt), drawn by `common.sample_tokens`."""
 
     # -- state (trainable parameters only: a frozen base is fingerprinted, not saved) --
+    def gradient_sizes(self) -> list[int]:
+        """Elements of each trained parameter, in `trained_names` order."""
+
     def get_weights(self) -> dict[str, np.ndarray]:
         """fp32 master weights by parameter name."""
 

@@ -213,6 +213,10 @@ class MLXEngine:
                              temperature, seed, context or self.cfg.data.seq_len, stop, on_token)
 
     # -- state ------------------------------------------------------------------------
+    def gradient_sizes(self) -> list[int]:
+        """Elements of each trained parameter, in `trained_names` order."""
+        return [self.params[n].size for n in self.names]
+
     def get_weights(self) -> dict[str, np.ndarray]:
         return {k: np.array(v) for k, v in self.params.items()}
 

@@ -168,10 +168,7 @@ def sync_batchnorm_layers(model, world: World) -> list[str]:
 
 
 def _refuse(world: World, text: str) -> ConfigError:
-    err = ConfigError(f"train.sync_batchnorm: {text}")
-    err.all_ranks = True  # every rank decides it from the same config, model and plan
-    err.quiet = not world.is_main
-    return err
+    return world.agreed_error(f"train.sync_batchnorm: {text}")
 
 
 def install_sync_batchnorm(cfg: Config, world: World, engine, plan) -> list[str]:

@@ -85,6 +85,10 @@ def share_state(world: World, engine: Engine, root: int = 0) -> None:
 
 
 def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str]) -> SyncStrategy:
+    if cfg.dist.shard in ("optimizer", "gradients", "weights"):  # "auto" is resolved before (resolve_shard)
+        from .sharded import ShardedDataParallel
+
+        return ShardedDataParallel(cfg, world, engine, hosts)
     if cfg.dist.mode == "diloco":
         from .diloco_strategy import DiLoCoStrategy
 

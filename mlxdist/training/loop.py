@@ -34,6 +34,7 @@ from ..markers import RestartCounts, announce_complete
 from ..state import checkpoint as ckpt
 from ..state.checkpointer import Checkpointer, describe, others_in, remove_run
 from ..sync.batchnorm import install_sync_batchnorm
+from ..sync.shard_plan import resolve_shard
 from ..sync.strategy import SyncStrategy, make_strategy, share_state
 from ..tasks import Batch, Task
 from ..tasks.fingerprint import check_same, fingerprint
@@ -91,6 +92,7 @@ class Trainer:
         self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device, self.task, w.local_rank, my_micro),
                                           w.rank, lambda: self.state.step)
         self._check_same_base()
+        shard_lines = resolve_shard(cfg, w, self.engine, self.hosts, self._builtin_lm)  # dist.shard: auto, fits?
         self.sync: SyncStrategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, w), self.hosts)
         self.evaluator = Evaluator(self.task, cfg.train, w)
         data = self.task.dataset
@@ -121,7 +123,7 @@ class Trainer:
             self.report.say(warning)
         if w.is_main:
             self._banner(backend, devices)
-        for note in [*getattr(self.engine, "notes", []), *notes]:
+        for note in [*getattr(self.engine, "notes", []), *notes, *(shard_lines if w.is_main else [])]:
             self.report.say(note)
 
     @property

@@ -1,0 +1,203 @@
+"""The memory planner (issue 35): the estimator's arithmetic, shards sized by budget, what
+`dist.shard=auto` picks, and `python -m mlxdist.plan` (in-process: no mpirun, no model run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxdist.config import load_config
+from mlxdist.control.memory_plan import (
+    GIB,
+    MODES,
+    choose_mode,
+    estimate,
+    lm_activation_bytes_per_sample,
+    lm_facts,
+    plan,
+)
+from mlxdist.models.presets import param_count, resolve
+from mlxdist.plan import main, parse_hosts, parse_size
+
+N = 1_000_000
+
+
+def test_estimate_data_parallel_holds_everything():
+    b = estimate(N, "none", 0.25, micro_batch=4, activation_bytes_per_sample=1000, dtype="float32")
+    assert (b.weights, b.gradients, b.optimizer, b.activations) == (4 * N, 4 * N, 8 * N, 4000)
+    assert b.total == 16 * N + 4000
+
+
+def test_estimate_zero1_shards_adamw_state_only():
+    b = estimate(N, "optimizer", 0.25, 1, 0)
+    assert b.optimizer == 8 * N * 0.25 == 2 * N
+    assert (b.weights, b.gradients) == (4 * N, 4 * N)
+
+
+def test_estimate_zero2_shards_gradients_plus_one_bucket():
+    b = estimate(N, "gradients", 0.5, 1, 0, bucket_bytes=1000)
+    assert (b.weights, b.gradients, b.optimizer) == (4 * N, 2 * N + 1000, 4 * N)
+
+
+def test_estimate_zero3_shards_weights_plus_one_gathered_unit():
+    b = estimate(N, "weights", 0.5, 1, 0, "bfloat16", gather_params=10_000)
+    assert b.weights == 2 * N + 2 * 10_000  # fp32 master shard + the gathered unit in bf16
+    assert b.gradients == 2 * N + 4 * 10_000  # the unit's full fp32 gradient before reduce-scatter
+    assert b.optimizer == 4 * N
+
+
+def test_estimate_bf16_adds_the_compute_copy_and_unknown_activations_count_zero():
+    b = estimate(N, "none", 1.0, 8, None, "bfloat16")
+    assert b.weights == 6 * N and b.activations is None and b.total == 6 * N + 4 * N + 8 * N
+
+
+def test_estimate_refuses_unknown_mode_and_bad_fraction():
+    with pytest.raises(ValueError, match="mode"):
+        estimate(N, "auto", 1.0, 1, 0)
+    with pytest.raises(ValueError, match="shard_fraction"):
+        estimate(N, "optimizer", 1.5, 1, 0)
+
+
+def test_choose_mode_is_the_least_sharding_that_fits_every_rank():
+    needs = {"none": [10, 10], "optimizer": [9, 8], "gradients": [8, 6], "weights": [5, 4]}
+    assert choose_mode(needs, [10, 10]) == "none"
+    assert choose_mode(needs, [10, 8]) == "optimizer"
+    assert choose_mode(needs, [10, 7]) == "gradients"
+    assert choose_mode(needs, [5, 5]) == "weights"
+    assert choose_mode(needs, [4, 100]) is None
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["model.preset=tiny", "train.batch_size=2", *overrides])
+
+
+def test_shards_are_proportional_to_budgets():
+    p = plan(_cfg(), [("studio", 128 * GIB), ("macbook", 16 * GIB)], 9_000_000, 0)
+    assert p.shard_sizes == [8_000_000, 1_000_000] and sum(p.shard_sizes) == 9_000_000
+    studio, macbook = p.needs["optimizer"]
+    assert studio.optimizer == 8 * 8_000_000 and macbook.optimizer == 8 * 1_000_000
+    assert studio.optimizer > macbook.optimizer
+
+
+def test_memory_target_and_micro_batch_come_from_nodes():
+    cfg = _cfg("nodes={studio: {batch_size: 8, memory_target: 0.5}, macbook: {batch_size: 1}}",
+               "control.memory_target=0.8")
+    p = plan(cfg, [("Studio.local", 100 * GIB), ("Johns-MacBook-Pro", 10 * GIB)], 1000, 100)
+    assert [r.budget for r in p.ranks] == [50 * GIB, 8 * GIB]
+    assert [r.micro_batch for r in p.ranks] == [8, 1]
+    assert p.needs["none"][0].activations == 800 and p.needs["none"][1].activations == 100
+
+
+def _plan_for(budgets_gib: list[float], n: int = 100_000_000, act: int = 0):
+    cfg = _cfg("control.memory_target=1.0")
+    return plan(cfg, [(f"h{i}", int(b * GIB)) for i, b in enumerate(budgets_gib)], n, act)
+
+
+def test_auto_picks_none_when_data_parallel_fits():
+    p = _plan_for([2.0, 2.0])  # 16 bytes x 100M = 1.49 GiB each
+    assert p.choice == "none" and p.fits("none")
+    assert "the least sharding that fits; it fits every rank" in p.choice_line()
+
+
+def test_auto_picks_optimizer_when_only_sharding_adamw_fits():
+    # 100M params: 8N = 0.75 GiB of weights+grads; AdamW 0.75 GiB split 8:1.
+    p = _plan_for([8.0, 0.9])
+    assert p.choice == "optimizer"
+    assert not p.fits("none") and p.fits("optimizer")
+    line = p.choice_line()
+    assert line.startswith("dist.shard=auto -> optimizer (ZeRO-1)")
+    assert "none does not: rank 1 (h1) needs 1.5 GiB" in line
+
+
+def test_auto_picks_gradients_then_weights_as_memory_shrinks():
+    assert _plan_for([8.0, 0.55]).choice == "gradients"  # 4N of weights is 0.37 GiB
+    assert _plan_for([8.0, 0.2]).choice == "weights"
+
+
+def test_nothing_fits_names_the_rank_its_budget_and_its_need():
+    p = _plan_for([1.0, 1.0], n=1_000_000_000)
+    assert p.choice is None
+    line = p.no_fit_line()
+    assert line.startswith("no dist.shard fits: rank ")
+    assert "under dist.shard=weights (ZeRO-3) but its budget is 1.0 GiB (1.0 GiB x memory_target 1)" in line
+
+
+def test_a_set_mode_that_does_not_fit_warns_in_the_banner():
+    cfg = _cfg("control.memory_target=1.0", "dist.shard=none")
+    p = plan(cfg, [("a", 8 * GIB), ("b", int(0.9 * GIB))], 100_000_000, 0)
+    lines = p.banner_lines()
+    assert lines[0] == "dist.shard=none (data parallel)"
+    assert any(line.startswith("warning: rank 1 (b) needs") and line.endswith("auto would choose optimizer")
+               for line in lines)
+
+
+def test_lm_facts_match_the_preset():
+    cfg = load_config(None, ["model.preset=1b", "data.seq_len=2048", "model.dtype=bfloat16"])
+    facts = lm_facts(cfg)
+    a = resolve(cfg.model)
+    assert facts.n_params == param_count(a)
+    # 1b: dim 2048, 22 layers, 8/16 kv heads, ffn 5632 = 20 x dim elements per token per layer in bf16.
+    assert facts.activation_bytes_per_sample == 2048 * (22 * 20 * 2048 * 2 + 12 * a.vocab_size)
+    assert lm_facts(load_config(None, ["task.factory=user_tasks:torch_mlp"])) is None
+
+
+def test_grad_checkpointing_shrinks_the_activation_estimate():
+    full = lm_activation_bytes_per_sample(64, 8, 4, 4, 256, 100, 32, "float32")
+    every = lm_activation_bytes_per_sample(64, 8, 4, 4, 256, 100, 32, "float32", grad_checkpoint_every=1)
+    half = lm_activation_bytes_per_sample(64, 8, 4, 4, 256, 100, 32, "float32", grad_checkpoint_every=2)
+    assert every < half < full
+
+
+def test_sizes_and_hosts_parse():
+    assert parse_size("128GB") == 128 * GIB == parse_size("128 GiB")
+    assert parse_size("512MB") == 512 * 2**20 and parse_size("1024") == 1024
+    assert parse_hosts("studio=128GB, macbook=16GB") == [("studio", 128 * GIB), ("macbook", 16 * GIB)]
+
+
+def test_cli_prints_the_table_and_the_choice_for_a_preset(capsys):
+    rc = main(["model.preset=tiny", "data.seq_len=64", "--hosts", "studio=128GB,macbook=16GB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "model: preset tiny" in out and "2 rank(s) from --hosts" in out
+    for mode in MODES:
+        assert f"\n{mode} (" in out
+    assert "studio" in out and "macbook" in out
+    assert out.strip().splitlines()[-1].startswith("dist.shard=auto -> none (data parallel)")
+
+
+def test_cli_fits_nowhere_is_one_line_and_exit_2(capsys):
+    rc = main(["model.preset=1b", "data.seq_len=2048", "--hosts", "studio=128GB,macbook=2GB"])
+    captured = capsys.readouterr()
+    assert rc == 2
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no dist.shard fits: rank 1 (macbook) needs ")
+    assert "budget is 1.7 GiB (2.0 GiB x memory_target 0.85)" in err[0]
+    assert "weights (ZeRO-3)" in captured.out  # the table still shows why
+
+
+def test_cli_hostfile_with_memory(tmp_path, capsys):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("studio.local slots=1\nmacbook.local slots=2\n")
+    rc = main(["model.preset=tiny", "--hostfile", str(hosts), "--memory", "studio=64GB,macbook=16GB"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "3 rank(s) from hostfile" in out
+    assert "macbook.local" in out and "     8.0" in out  # two ranks share the MacBook's 16 GB
+
+
+def test_cli_hostfile_host_without_memory_is_named(tmp_path, capsys):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("studio.local slots=1\n")
+    assert main(["model.preset=tiny", "--hostfile", str(hosts)]) == 2
+    assert "host 'studio.local': its memory is unknown here; add --memory studio.local=SIZE" in capsys.readouterr().err
+
+
+def test_cli_task_counts_parameters_and_asks_for_activations(capsys):
+    rc = main(["task.factory=user_tasks:torch_mlp", "--engine", "torch", "--hosts", "a=1GB,b=1GB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "195 trained parameters" in out  # Linear(8,16) + Linear(16,3)
+    assert "activations not estimated for a task; add --activation-gb" in out
+    rc = main(["task.factory=user_tasks:torch_mlp", "--engine", "torch", "--hosts", "a=1GB,b=1GB",
+               "--activation-gb", "0.01"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "n/a" not in out and "activations 0.01 GiB/sample (given)" in out
+    assert "    0.2" in out  # 16 samples x 0.01 GiB

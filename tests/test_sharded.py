@@ -1,0 +1,164 @@
+"""Sharded data parallel (`dist.shard=optimizer|gradients`, MLX): the same numbers as data
+parallel and as one process (DESIGN promise 9), shards sized to each rank's memory budget,
+and checkpoints in data parallel's format, so sharded and unsharded runs resume each other."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import FAST, assert_same_weights, final_weights, run_train
+
+from mlxdist.control.split import proportional_split
+from mlxdist.state import checkpoint as ckpt
+from mlxdist.sync.sharded import bucket_counts, shard_bounds
+
+HERE = Path(__file__).parent
+TASK = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "train.warmup_steps=0",
+        "train.schedule=constant", "train.lr=1e-2", "dist.sync_weights_every=0",
+        "task.factory=user_tasks:mlx_mlp", "train.grad_clip=0.5", "train.weight_decay=0.1", "train.steps=4"]
+SPLIT = "nodes={rank0: {batch_size: 3}, rank1: {batch_size: 5}}"
+# rank 0 may use 0.8 of its memory, rank 1 0.2: same machine, so rank 0 owns ~4x the elements
+UNEQUAL = "nodes={rank0: {batch_size: 3, memory_target: 0.8}, rank1: {batch_size: 5, memory_target: 0.2}}"
+
+
+def _train(args, np_=0):
+    return run_train([*TASK, *args], np_=np_, cwd=HERE)
+
+
+def _ok(r):
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _events(run_dir: Path, kind: str, rank: int = 0) -> list[dict]:
+    lines = (run_dir / "logs" / f"rank{rank}.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def _checkpoint(run_dir: Path, step: int) -> ckpt.Loaded:
+    loaded = ckpt.load(run_dir / "checkpoints" / f"step_{step:08d}")
+    assert loaded.meta.optimizer_step == step
+    return loaded
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+# ---------------------------------------------------------------- plain logic
+def test_shards_are_contiguous_and_sized_by_budget():
+    bounds = shard_bounds(1000, [0.8 * 64e9, 0.2 * 64e9])
+    assert bounds == [(0, 800), (800, 1000)]
+    assert shard_bounds(10, [0.0, 0.0]) == [(0, 5), (5, 10)]  # no reading: equal shares
+    bounds = shard_bounds(195, [128e9 * 0.85, 16e9 * 0.85, 16e9 * 0.85])
+    assert [b - a for a, b in bounds] == proportional_split(195, [8, 1, 1]) and bounds[-1][1] == 195
+    for lo, hi in ((0, 100), (150, 900), (790, 810), (999, 1000)):
+        counts = bucket_counts([(0, 800), (800, 1000)], lo, hi)
+        assert sum(counts) == hi - lo and min(counts) >= 0
+
+
+# ---------------------------------------------------------------- real ranks
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """One rank, 8 samples a step, data parallel's checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("sharded") / "one"
+    _ok(_train(["train.batch_size=8", "checkpoint.every=2", f"train.out_dir={out}"]))
+    return out
+
+
+@pytest.mark.cluster
+def test_sharded_equals_data_parallel_and_one_process(tmp_path, one_process):
+    """AdamW with weight decay and clipping (the norm is 5x the clip): 3+5 on two ranks,
+    optimizer state sharded or gradients too, equals 3+5 data parallel and 8 on one rank."""
+    runs = {}
+    for shard in ("none", "optimizer", "gradients"):
+        r = _ok(_train([SPLIT, f"dist.shard={shard}", f"train.out_dir={tmp_path / shard}"], np_=2))
+        runs[shard] = final_weights(tmp_path / shard)
+        if shard != "none":
+            assert f"(dist.shard={shard})" in r.stderr and "rank 0 98 (50%)" in r.stderr, r.stderr
+    one = final_weights(one_process)
+    for shard in ("optimizer", "gradients"):
+        assert_same_weights(runs["none"], runs[shard], atol=1e-5)
+        assert_same_weights(one, runs[shard], atol=1e-5)
+        moments = _max_diff(_checkpoint(one_process, 4).optimizer, _checkpoint(tmp_path / shard, 4).optimizer)
+        assert moments <= 1e-6, f"{shard}: moments differ by {moments:.3g}"
+    clipped = _events(tmp_path / "gradients", "step")[0]
+    assert clipped["grad_norm"] > 0.5 and clipped["sync_bytes"] == 2 * 4 * 195
+
+
+@pytest.mark.cluster
+def test_checkpoints_resume_across_sharded_and_unsharded_runs(tmp_path, one_process):
+    """Shards by memory budget (0.8 vs 0.2: rank 0 owns 4x); a save mid-run disturbs
+    nothing; its step-2 checkpoint is data parallel's and resumes on one unsharded rank, and
+    one rank's unsharded checkpoint resumes sharded on two: all equal the uninterrupted run."""
+    sharded = tmp_path / "sharded"
+    r = _ok(_train([UNEQUAL, "dist.shard=gradients", "checkpoint.every=2", f"train.out_dir={sharded}"], np_=2))
+    shares = re.search(r"rank 0 (\d+) \(\d+%\) [\d.e-]+ MB, rank 1 (\d+) \(", r.stderr)
+    assert shares and (int(shares[1]), int(shares[2])) == (156, 39), r.stderr
+    for rank in (0, 1):
+        event = _events(sharded, "shard", rank)[0]
+        assert event["elements"] == [156, 39] and event["optimizer_bytes_here"] == 8 * [156, 39][rank]
+    uninterrupted = final_weights(one_process)
+    assert_same_weights(uninterrupted, final_weights(sharded), atol=1e-5)
+    saved, expected = _checkpoint(sharded, 2), _checkpoint(one_process, 2)
+    assert saved.optimizer.keys() == expected.optimizer.keys()  # m.<param>, v.<param>: data parallel's
+    assert _max_diff(saved.optimizer, expected.optimizer) <= 1e-6
+
+    r = _ok(_train(["train.batch_size=8", f"train.out_dir={tmp_path / 'unsharded'}",
+                    "--resume", str(sharded / "checkpoints" / "step_00000002")]))
+    assert "resumed from" in r.stderr
+    assert_same_weights(uninterrupted, final_weights(tmp_path / "unsharded"), atol=1e-5)
+
+    r = _ok(_train([SPLIT, "dist.shard=optimizer", f"train.out_dir={tmp_path / 'resharded'}",
+                    "--resume", str(one_process / "checkpoints" / "step_00000002")], np_=2))
+    assert "resumed from" in r.stderr
+    assert_same_weights(uninterrupted, final_weights(tmp_path / "resharded"), atol=1e-5)
+    assert _max_diff(_checkpoint(one_process, 4).optimizer, _checkpoint(tmp_path / "resharded", 4).optimizer) <= 1e-6
+
+
+@pytest.mark.cluster
+def test_buckets_split_parameters_and_shards(tmp_path):
+    """The built-in LM (771k parameters) in 0.01 MB buckets: parameters and shards straddle
+    bucket edges, ranks own 4:1, and ZeRO-2 still equals data parallel."""
+    lm = [*FAST, "train.steps=2", "train.grad_clip=0.5", "dist.sync_weights_every=0"]
+    _ok(run_train([*lm, SPLIT, f"train.out_dir={tmp_path / 'dp'}"], np_=2))
+    r = _ok(run_train([*lm, UNEQUAL, "dist.shard=gradients", "dist.bucket_mb=0.01",
+                       f"train.out_dir={tmp_path / 'zero2'}"], np_=2))
+    assert "rank 0 617165 (80%)" in r.stderr, r.stderr
+    assert_same_weights(final_weights(tmp_path / "dp"), final_weights(tmp_path / "zero2"), atol=1e-5)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["dist.shard=weights"], "dist.shard=weights (ZeRO-3) is not there yet; use optimizer or gradients"),
+    (["dist.shard=optimizer", "--engine", "torch", "--device", "cpu", "task.factory=user_tasks:torch_mlp"],
+     "MLX engine only for now"),
+    (["dist.shard=gradients", "task.factory=user_tasks:mlx_own_optimizer"], "brings its own optimizer"),
+    (["dist.shard=optimizer", "dist.mode=diloco"], "dist.mode=diloco keeps each rank's own optimizer"),
+])
+def test_what_sharding_cannot_do_is_refused_in_one_line(tmp_path, args, line):
+    r = _train([*args, "train.batch_size=8", f"train.out_dir={tmp_path}"])
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("error: dist.shard=") and line in last, r.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("limit, expect, code", [
+    (20_000_000, "dist.shard=auto -> optimizer (ZeRO-1): the least sharding that fits; none does not: rank 0", 0),
+    (9_000_000, "error: no dist.shard fits: rank 0 (", 2),
+])
+def test_auto_takes_the_least_sharding_that_fits_every_rank_or_stops_before_step_1(tmp_path, limit, expect, code):
+    """The built-in tiny LM: data parallel needs 17.1 MiB a rank (python -m mlxdist.plan), ZeRO-1
+    14.2; a 20 MB limit (budget 17.0) fits ZeRO-1 only, 9 MB nothing."""
+    r = run_train([*FAST, "train.batch_size=4", "train.steps=2", "dist.shard=auto", f"train.out_dir={tmp_path}"],
+                  np_=2, extra_env={"MLXDIST_MEMORY_LIMIT_BYTES": str(limit)})
+    assert r.returncode == code, r.stderr[-3000:]
+    assert expect in r.stderr, r.stderr[-3000:]
+    if code == 0:
+        assert "sharded data parallel, ZeRO-1 (dist.shard=optimizer)" in r.stderr
+    else:
+        assert not (tmp_path / "checkpoints").exists() and r.stderr.count("error:") == 1
