@@ -142,3 +142,17 @@ def test_a_rank_that_stops_answering_is_named_by_the_others(tmp_path):
     r = _run("torch_loop.py", [tmp_path / "f.npz", "--steps", 10, "--freeze-at", 2], np_=2, timeout=120)
     assert r.returncode != 0
     assert "no heartbeat from rank 1" in r.stderr and "gradient all-reduce" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.cluster
+def test_a_transformers_resnet_with_batchnorm_in_a_plain_loop_keeps_3_plus_5_equal_8(tmp_path, split):
+    """BatchNorm couples a batch's samples: with md.sync_batchnorm the statistics are the whole
+    cluster's, so weights and running statistics match one process; without, they do not."""
+    assert _run("resnet_loop.py", [tmp_path / "one.npz"]).returncode == 0
+    for name, extra in (("two", []), ("plain", ["--no-sync-bn"])):
+        r = _run("resnet_loop.py", [tmp_path / f"{name}.npz", "--config", split, *extra], np_=2)
+        assert r.returncode == 0, r.stderr[-2000:]
+    one = np.load(tmp_path / "one.npz")
+    assert any("running_mean" in k and np.abs(one[k]).max() > 1e-3 for k in one.files)
+    assert _worst(tmp_path / "one.npz", tmp_path / "two.npz") < 1e-5
+    assert _worst(tmp_path / "one.npz", tmp_path / "plain.npz") > 1e-3

@@ -92,10 +92,10 @@ def check_keys_apply(cfg: Config, task: Task) -> None:
                      and k not in _APPLY_TO_TASKS and k not in declared)
     if ignored:
         one = len(ignored) == 1
-        it = "it" if one else "them"
+        they, them = ("it", "it") if one else ("they", "them")
         raise TaskError(f"task {task.name}: {', '.join(ignored)} {'is' if one else 'are'} set, but a task brings its "
-                        f"own model and data, so {it} would change nothing; remove {it}, or, where the task reads "
-                        f"{it} from ctx.config, list {it} in Task(config_keys=(...))")
+                        f"own model and data, so {they} would change nothing; remove {them}, or, where the task "
+                        f"reads {them} from ctx.config, list {them} in Task(config_keys=(...))")
 
 
 def resolve_task(cfg: Config, say: Callable[[str], None] | None = None) -> Task:
