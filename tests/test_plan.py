@@ -200,4 +200,4 @@ def test_cli_task_counts_parameters_and_asks_for_activations(capsys):
                "--activation-gb", "0.01"])
     out = capsys.readouterr().out
     assert rc == 0 and "n/a" not in out and "activations 0.01 GiB/sample (given)" in out
-    assert "    0.2" in out  # 16 samples x 0.01 GiB
+    assert "163.8" in out  # 16 samples x 0.01 GiB, in MiB (budgets under 1 GiB)
