@@ -156,3 +156,16 @@ def test_a_transformers_resnet_with_batchnorm_in_a_plain_loop_keeps_3_plus_5_equ
     assert any("running_mean" in k and np.abs(one[k]).max() > 1e-3 for k in one.files)
     assert _worst(tmp_path / "one.npz", tmp_path / "two.npz") < 1e-5
     assert _worst(tmp_path / "one.npz", tmp_path / "plain.npz") > 1e-3
+
+
+def test_a_loop_s_ranks_serve_prometheus_metrics(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import sys, urllib.request, mlxdist.torch as md; md.init(device='cpu', metrics_port=int(sys.argv[1])); "
+            "print(urllib.request.urlopen(f'http://127.0.0.1:{sys.argv[1]}/metrics').read().decode())")
+    r = subprocess.run([sys.executable, "-c", code, str(port)], capture_output=True, text=True, env=env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert 'mlxdist_build_info{' in r.stdout and 'engine="torch"' in r.stdout and 'world_size="1"' in r.stdout
