@@ -20,6 +20,7 @@ BENCHMARKS = {
     "load": ("load", "main", True, "SmolLM2 load and first step: ours vs mlx-lm"),
     "finetune": ("finetune", "main", False, "LoRA steps: ours vs mlx-lm and transformers + peft"),
     "generate": ("generate", "main", True, "mlxdist.generate vs mlx_lm.generate, tokens/s"),
+    "shard": ("shard", "main", False, "sharded data parallel (ZeRO-1/2) vs data parallel: memory per rank, step time"),
     "checkpoint-io": ("checkpoint_io", "main", False, "checkpoint write/read: plain safetensors vs zstd"),
 }
 

@@ -37,6 +37,21 @@ def _pairs(totals: dict, counts: dict) -> dict:
     return {n: (t, counts.get(n)) for n, t in totals.items()}
 
 
+def adamw(p, m, v, g, decay, scalars, hp):
+    """mlxdist's AdamW step (bias-corrected, decoupled decay where `decay`: a bool, or a mask of
+    p's shape) on arrays of any shape; `scalars` = (lr, 1 - beta1^t, 1 - beta2^t, clip
+    coefficient), `hp` = (beta1, beta2, eps, weight decay). The engine applies it per
+    parameter, the sharded strategy (`sync/sharded.py`) to its flat range: one formula."""
+    lr, bc1, bc2, coef = scalars[0], scalars[1], scalars[2], scalars[3]
+    beta1, beta2, eps, wd = hp
+    g = g * coef
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * mx.square(g)
+    p = mx.where(decay, p * (1 - lr * wd), p)
+    p = p - lr * (m / bc1) / (mx.sqrt(v / bc2) + eps)
+    return p, m, v
+
+
 class MLXEngine:
     name = "mlx"
 
@@ -106,20 +121,11 @@ class MLXEngine:
         return check_scalar(loss, self.task_name).astype(mx.float32), totals, counts
 
     def _adamw_update(self, params, m, v, grads, scalars):
-        lr, bc1, bc2, coef = scalars[0], scalars[1], scalars[2], scalars[3]
         c = self.cfg.train
-        out_p, out_m, out_v = [], [], []
-        for p, mi, vi, g, decay in zip(params, m, v, grads, self._decay, strict=True):
-            g = g * coef
-            mi = c.beta1 * mi + (1 - c.beta1) * g
-            vi = c.beta2 * vi + (1 - c.beta2) * mx.square(g)
-            if decay:
-                p = p * (1 - lr * c.weight_decay)
-            p = p - lr * (mi / bc1) / (mx.sqrt(vi / bc2) + c.eps)
-            out_p.append(p)
-            out_m.append(mi)
-            out_v.append(vi)
-        return out_p, out_m, out_v
+        hp = (c.beta1, c.beta2, c.eps, c.weight_decay)
+        out = [adamw(p, mi, vi, g, decay, scalars, hp)
+               for p, mi, vi, g, decay in zip(params, m, v, grads, self._decay, strict=True)]
+        return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
 
     @staticmethod
     def _arrays(data):

@@ -60,7 +60,7 @@ from ..control.split import proportional_split
 from ..engine.base import Engine, StepStats, nothing_to_learn
 from ..engine.common import decays
 from ..tasks.metrics import means
-from .model_state import StateSync
+from .data_parallel import DataParallel
 
 try:
     import mlx.core as mx
@@ -101,13 +101,15 @@ def bucket_counts(bounds: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
     return [max(0, min(b, hi) - max(a, lo)) for a, b in bounds]
 
 
-class ShardedDataParallel:
+class ShardedDataParallel(DataParallel):
+    """Data parallel whose exchange and update are sharded; the rest (buffers, meeting every
+    step, rollback, the model's weights in checkpoints) is data parallel's."""
+
     def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str]):
         check_shardable(cfg, world, engine)
-        self.cfg, self.world, self.hosts = cfg, world, hosts
+        super().__init__(world, reducer=None)  # every rank sets the same gathered weights: drift check on
+        self.cfg, self.hosts = cfg, hosts
         self.level = cfg.dist.shard
-        self.drift_check = world.size > 1  # every rank sets the same gathered weights
-        self.state_sync = StateSync(world)
         self.names: list[str] = list(engine.names)
         self.shapes = {n: tuple(engine.params[n].shape) for n in self.names}
         sizes = [math.prod(self.shapes[n]) for n in self.names]
@@ -127,18 +129,10 @@ class ShardedDataParallel:
         self.t = 0
         self._full: np.ndarray | None = None  # the all-gather's buffer, as data parallel's reducer keeps its own
         c = cfg.train
-        b1, b2, eps, wd = c.beta1, c.beta2, c.eps, c.weight_decay
+        hp = (c.beta1, c.beta2, c.eps, c.weight_decay)
+        from ..engine.mlx_engine import adamw
 
-        def adamw(p, m, v, g, decay, scalars):  # the engine's _adamw_update, on one flat range
-            lr, bc1, bc2, coef = scalars[0], scalars[1], scalars[2], scalars[3]
-            g = g * coef
-            m = b1 * m + (1 - b1) * g
-            v = b2 * v + (1 - b2) * mx.square(g)
-            p = mx.where(decay, p * (1 - lr * wd), p)
-            p = p - lr * (m / bc1) / (mx.sqrt(v / bc2) + eps)
-            return p, m, v
-
-        self._adamw = mx.compile(adamw)
+        self._adamw = mx.compile(lambda p, m, v, g, decay, scalars: adamw(p, m, v, g, decay, scalars, hp))
         self._forget_engine_moments(engine)
 
     # -- layout -----------------------------------------------------------------------
@@ -248,8 +242,6 @@ class ShardedDataParallel:
         return full
 
     # -- the step ---------------------------------------------------------------------
-    def trains(self, step: int) -> bool:
-        return True
 
     def step(self, engine: Engine, lr: float) -> StepStats:
         self.world.rendezvous("waiting for the other ranks to finish computing")
@@ -315,14 +307,8 @@ class ShardedDataParallel:
     def before_last_backward(self, engine: Engine) -> None:
         """MLX builds the whole backward graph lazily: nothing to overlap with."""
 
-    def meets(self, step: int) -> bool:
-        return True
 
-    def agree_on_rollback(self, wanted: bool, step: int) -> bool:
-        return wanted  # every rank saw the same loss and norm
 
-    def after_step(self, engine: Engine, step: int, samples: int, last: bool) -> list[Decision]:
-        return []
 
     # -- checkpoints ------------------------------------------------------------------
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
@@ -337,14 +323,8 @@ class ShardedDataParallel:
                 engine.set_optimizer_state(self._unflatten(full_m, "m.") | self._unflatten(full_v, "v."), self.t)
         return []
 
-    def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
-        return engine.get_weights()
 
-    def state_dict(self, engine: Engine) -> dict[str, np.ndarray]:
-        return {}
 
-    def save_rank_state(self, root: Path, step: int, engine: Engine, keep: int) -> None:
-        pass
 
     def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
                         optimizer_step: int) -> list[Decision]:
@@ -366,5 +346,3 @@ class ShardedDataParallel:
                                          "optimizer_bytes": self.shard_bytes(),
                                          "optimizer_bytes_here": self.shard_bytes()[self.world.rank]})]
 
-    def close(self) -> None:
-        pass
