@@ -17,6 +17,7 @@ same limit is run too and what happens is reported (the planner is consulted onl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -34,11 +35,17 @@ NAMES = {"none": "data parallel", "optimizer": "ZeRO-1", "gradients": "ZeRO-2"}
 MB = 1e6
 
 
-def _launch(n: int, args: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None):
+def _launch(n: int, args: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None,
+            cluster=None):
+    """The trainer on `n` ranks of this host, or of `cluster`'s namespace hosts (one rank each)."""
     extra = env or {}
-    cmd = [find_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", str(n), "-x", "PYTHONPATH",
-           "-x", "OPENBLAS_NUM_THREADS", *[x for k in extra for x in ("-x", k)],
-           sys.executable, "-m", "mlxdist.train", *args, f"train.out_dir={run_dir}"]
+    if cluster is None:
+        flags = ["--allow-run-as-root", "--oversubscribe", "-x", "PYTHONPATH", "-x", "OPENBLAS_NUM_THREADS",
+                 *[x for k in extra for x in ("-x", k)]]
+    else:
+        flags = cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS", *extra])
+    cmd = [find_mpirun(), *flags, "-np", str(n), sys.executable, "-m", "mlxdist.train", *args,
+           f"train.out_dir={run_dir}"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=os.environ | extra)
 
 
@@ -53,12 +60,44 @@ def _read(run_dir: Path, n: int, skip: int) -> dict:
         kept = steps[skip:]
         shard = next((e for e in events if e["event"] == "shard"), None)
         ranks.append({"step_s": [e["step_s"] for e in kept], "loss": [e["loss"] for e in steps],
+                      "sync_s": statistics.median(e.get("sync_s", 0.0) for e in kept),
+                      "sync_bytes": statistics.median(e.get("sync_bytes", 0) for e in kept),
                       "active": statistics.median(e["memory_active_bytes"] for e in kept),
                       "peak": max(e["memory_peak_bytes"] for e in kept),
                       "optimizer_bytes": shard["optimizer_bytes_here"] if shard else None,
                       "mode": shard["mode"] if shard else "none"})
     shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint: GBs for a 100M model
     return {"ranks": ranks, "step_s": statistics.median(ranks[0]["step_s"])}
+
+
+def link_seconds(owned: list[float], rate: str) -> float:
+    """The least time a step's exchange can take over links of `rate`: rank r's link carries
+    4 bytes of every element but its own range in the reduce-scatter and all but the next
+    rank's range in the all-gather (an all-reduce, equal ranges: 2 (n - 1) / n of the
+    gradients), each direction of a full-duplex link at `rate`."""
+    from ..rig.simcluster import parse_rate
+
+    n, total = len(owned), sum(owned)
+    if n < 2:
+        return 0.0
+    wire = max((total - owned[r]) + (total - owned[(r + 1) % n]) for r in range(n))
+    return 4 * wire * 8 / parse_rate(rate)
+
+
+@contextlib.contextmanager
+def _hosts(args, tmp: Path):
+    """None (ranks on this host), or namespace hosts for `--simcluster N` (root)."""
+    if not args.simcluster:
+        yield None
+        return
+    from ..rig.simcluster import SimCluster, available
+
+    ok, why = available()
+    if not ok:
+        raise SystemExit(f"bench shard: cannot build namespace hosts: {why}")
+    with SimCluster(args.simcluster, name="mlxshb", subnet=args.subnet, state_dir=tmp / "cluster",
+                    rate=args.rate) as cluster:
+        yield cluster
 
 
 def _limit(common: list[str], n: int) -> tuple[int, dict]:
@@ -93,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.bench shard", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2, help="ranks on this host")
+    p.add_argument("--simcluster", type=int, default=0, metavar="N",
+                   help="run on N namespace hosts (one rank each) joined by links shaped to --rate (root)")
+    p.add_argument("--rate", default="1gbit", help="with --simcluster: every host's link rate (tc syntax)")
+    p.add_argument("--subnet", default="10.79.7", help="with --simcluster: the hosts' /24")
     p.add_argument("--preset", default="base", help="model.preset (base: 125M parameters)")
     p.add_argument("--batch", type=int, default=1, help="samples per rank per step")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample")
@@ -111,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.skip:
         p.error("--steps must exceed --skip")
     set_env()
-    n = args.ranks
+    n = args.simcluster or args.ranks
     common = ["data.source=synthetic", f"model.preset={args.preset}", f"data.seq_len={args.seq_len}",
               f"train.batch_size={args.batch}", f"train.steps={args.steps}", "metrics.port=0",
               "train.progress=false", "train.eval_every=0", "checkpoint.every=0", "dist.sync_weights_every=0"]
@@ -119,21 +162,25 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"preset": args.preset, "ranks": n, "batch_per_rank": args.batch, "seq_len": args.seq_len,
                     "steps": args.steps, "skip": args.skip, "rounds": args.rounds}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    with tempfile.TemporaryDirectory(prefix="mlxshard-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mlxshard-") as tmp, _hosts(args, Path(tmp)) as cluster:
         for rnd in range(args.rounds):
             for mode in modes:
                 run_dir = Path(tmp) / f"{mode}-{rnd}"
-                check(_launch(n, [*common, f"dist.shard={mode}"], run_dir, args.timeout), f"{n}-rank {mode}")
+                check(_launch(n, [*common, f"dist.shard={mode}"], run_dir, args.timeout, cluster=cluster),
+                      f"{n}-rank {mode}")
                 runs[mode].append(_read(run_dir, n, args.skip))
                 print(f"round {rnd + 1}/{args.rounds} {mode}: {runs[mode][-1]['step_s']:.3f} s/step", flush=True)
-        demo = _demo(args, common, n, Path(tmp), runs["none"][0]) if args.demo else None
+        demo = _demo(args, common, n, Path(tmp), runs["none"][0]) if args.demo and cluster is None else None
     from ..config import load_config
     from ..models.presets import param_count, resolve
 
     n_params = param_count(resolve(load_config(None, common).model))
     ddp_bytes = 8 * n_params
     result |= {"n_params": n_params, "ddp_optimizer_bytes": ddp_bytes, "target_ratio": 1 / n + 0.05, "modes": {}}
-    print(f"\n{n} ranks on one host, model {args.preset} ({n_params / 1e6:.1f}M parameters), {args.batch} x "
+    where = f"{n} hosts at {args.rate}" if args.simcluster else f"{n} ranks on one host"
+    if args.simcluster:
+        result |= {"hosts": n, "rate": args.rate}
+    print(f"\n{where}, model {args.preset} ({n_params / 1e6:.1f}M parameters), {args.batch} x "
           f"{args.seq_len} tokens per rank per step, {args.rounds} round(s) interleaved, medians of steps "
           f"{args.skip + 1}-{args.steps}; MB = 1e6 bytes")
     print(f"{'mode':<24}{'rank':>5}{'peak MB':>10}{'end MB':>10}{'adamw MB':>10}{'/ DDP':>8}{'step s':>9}"
@@ -150,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                           "optimizer_bytes": opt_b, "optimizer_ratio": opt_b / ddp_bytes})
         entry = {"step_s": statistics.median(per_round), "step_s_rounds": per_round,
                  "step_ratio": statistics.median(ratios), "step_ratio_rounds": ratios, "ranks": ranks,
-                 "optimizer_ratio_ok": all(x["optimizer_ratio"] <= 1 / n + 0.05 for x in ranks)}
+                 "optimizer_ratio_ok": all(x["optimizer_ratio"] <= 1 / n + 0.05 for x in ranks),
+                 "sync_s": statistics.median(x["ranks"][0]["sync_s"] for x in runs[mode])}
+        if args.simcluster:
+            owned = [x["optimizer_bytes"] / 8 for x in ranks] if mode != "none" else [n_params / n] * n
+            entry["link_limit_s"] = link_seconds(owned, args.rate)
+            entry["link_fraction"] = entry["link_limit_s"] / max(entry["sync_s"], 1e-9)
         result["modes"][mode] = entry
         for r, x in enumerate(ranks):
             head = f"{mode} ({NAMES[mode]})" if r == 0 else ""
@@ -163,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
               f"parallel's (target <= {1 / n + 0.05:.3f}: {'ok' if e['optimizer_ratio_ok'] else 'MISSED'}); "
               f"step time {e['step_ratio']:.3f} x data parallel's (rounds: "
               f"{', '.join(f'{x:.3f}' for x in e['step_ratio_rounds'])})")
+    if args.simcluster:
+        for mode in modes:
+            e = result["modes"][mode]
+            print(f"{NAMES[mode]}: exchange {e['sync_s']:.3f} s a step, the link's limit {e['link_limit_s']:.3f} s: "
+                  f"{e['link_fraction']:.2f} of the link")
     if demo:
         result["no_fit"] = demo
         print(f"doesn't fit: MLXDIST_MEMORY_LIMIT_BYTES={demo['limit_bytes']} (budget {demo['budget_bytes'] / MB:.0f} "

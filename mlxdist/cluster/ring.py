@@ -126,6 +126,154 @@ def ring_allreduce(comm, srcs: list[np.ndarray], outs: list[np.ndarray],
         pump()
 
 
+Ranges = list[tuple[int, int]]  # per rank: [lo, hi) of one array that rank owns (empty: lo == hi)
+
+
+class _Pump:
+    """Point-to-point messages of one ring collective: receives posted in plan order and sends
+    queued, at most `window` of each in flight, each with a callback when it completes."""
+
+    def __init__(self, comm, window: int):
+        self.comm, self.window = comm, window
+        self.recv_plan: deque = deque()  # (make_buffer, source, tag, done(buffer))
+        self.send_queue: deque = deque()  # (buffer, dest, tag, done or None)
+        self.reqs: list = []
+        self.meta: list = []
+        self.recvs = self.sends = 0
+
+    def _post(self) -> None:
+        while self.recv_plan and self.recvs < self.window:
+            make, source, tag, done = self.recv_plan.popleft()
+            buf = make()
+            self.reqs.append(self.comm.Irecv(buf, source=source, tag=tag))
+            self.meta.append((True, buf, done))
+            self.recvs += 1
+        while self.send_queue and self.sends < self.window:
+            buf, dest, tag, done = self.send_queue.popleft()
+            self.reqs.append(self.comm.Isend(buf, dest=dest, tag=tag))
+            self.meta.append((False, buf, done))
+            self.sends += 1
+
+    def run(self) -> None:
+        from mpi4py import MPI
+
+        self._post()
+        while self.reqs:
+            finished = set(MPI.Request.Waitsome(self.reqs) or [])
+            for i in sorted(finished):
+                is_recv, buf, done = self.meta[i]
+                if is_recv:
+                    self.recvs -= 1
+                else:
+                    self.sends -= 1
+                if done is not None:
+                    done(buf)
+            self.reqs[:] = [r for i, r in enumerate(self.reqs) if i not in finished]
+            self.meta[:] = [m for i, m in enumerate(self.meta) if i not in finished]
+            self._post()
+
+
+def _segments(lo: int, hi: int, seg_elems: int) -> list[tuple[int, int]]:
+    return [(x, min(x + seg_elems, hi)) for x in range(lo, hi, seg_elems)]
+
+
+def ring_reduce_scatter(comm, srcs: list[np.ndarray], owners: list[Ranges], out: np.ndarray,
+                        segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
+    """Sum `srcs` (flat arrays, same on every rank) over the ranks of `comm`, each rank
+    receiving only the ranges it owns: `owners[a][r]` is rank r's [lo, hi) of array a, of
+    any sizes (the sharded strategy sizes them by memory). `out` gets this rank's ranges,
+    array after array.
+
+    The ring of `ring_allreduce`'s first half, with unequal chunks: the partial sum of rank
+    o's range starts at rank o + 1 and travels n - 1 hops, gaining each rank's part, to end
+    at o; segments are forwarded as soon as they are summed. The link from rank r carries
+    everything but rank r's own range, so equal ranges move what an all-reduce's first half
+    moves, and unequal ones cost the largest share: 0.8/0.2 between two ranks takes 0.8 of
+    the buffer's time on the busier direction, where equal halves take 0.5. Partial sums
+    pass through a pool of segment buffers (`window` x 2 at most), never a full-size copy.
+    """
+    n, rank = comm.Get_size(), comm.Get_rank()
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    pump = _Pump(comm, window)
+    pool: list[np.ndarray] = []
+    dtype = srcs[0].dtype if srcs else np.float32
+    seg_elems = max(1, segment_bytes // np.dtype(dtype).itemsize)
+    per = max([len(_segments(*r[o], seg_elems)) for r in owners for o in range(n)] + [1])
+    at, start = 0, []
+    for r in owners:
+        start.append(at)
+        at += r[rank][1] - r[rank][0]
+    if at != out.size:
+        raise ValueError(f"ring_reduce_scatter: out holds {out.size} elements, this rank owns {at}")
+    if n == 1:
+        for a, r in enumerate(owners):
+            out[start[a]:start[a] + r[0][1] - r[0][0]] = srcs[a][r[0][0]:r[0][1]]
+        return
+
+    def tag(s: int, a: int, k: int) -> int:
+        return (s * len(srcs) + a) * per + k
+
+    def from_pool() -> np.ndarray:
+        return pool.pop() if pool else np.empty(seg_elems, dtype)
+
+    def forward(s: int, a: int, k: int, lo: int, hi: int):
+        def done(buf: np.ndarray) -> None:
+            part = buf[:hi - lo]
+            _add(part, srcs[a][lo:hi], part)
+            pump.send_queue.append((part, nxt, tag(s + 1, a, k), lambda _: pool.append(buf)))
+        return done
+
+    def land(a: int, lo: int, hi: int):
+        def done(part: np.ndarray) -> None:
+            _add(part, srcs[a][lo:hi], part)
+        return done
+
+    for a, r in enumerate(owners):  # step 0: my own part of the range owned by the previous rank
+        for k, (lo, hi) in enumerate(_segments(*r[prv], seg_elems)):
+            pump.send_queue.append((srcs[a][lo:hi], nxt, tag(0, a, k), None))
+    for s in range(n - 1):
+        owner = (rank - s - 2) % n
+        for a, r in enumerate(owners):
+            for k, (lo, hi) in enumerate(_segments(*r[owner], seg_elems)):
+                if s < n - 2:
+                    pump.recv_plan.append((from_pool, prv, tag(s, a, k), forward(s, a, k, lo, hi)))
+                else:  # the last hop: my range, summed into `out`
+                    view = out[start[a] + lo - r[rank][0]:start[a] + hi - r[rank][0]]
+                    pump.recv_plan.append((lambda v=view: v, prv, tag(s, a, k), land(a, lo, hi)))
+    pump.run()
+
+
+def ring_allgather(comm, outs: list[np.ndarray], owners: list[Ranges],
+                   segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
+    """Every rank's ranges `owners[a][r]` of `outs` (flat arrays), already in place on their
+    owner, copied to every rank: `ring_allreduce`'s second half with unequal chunks, each
+    range travelling n - 1 hops from its owner, segments forwarded as they arrive."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    if n == 1:
+        return
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    pump = _Pump(comm, window)
+    seg_elems = max(1, segment_bytes // outs[0].itemsize) if outs else 1
+    per = max([len(_segments(*r[o], seg_elems)) for r in owners for o in range(n)] + [1])
+
+    def tag(t: int, a: int, k: int) -> int:
+        return (t * len(outs) + a) * per + k
+
+    def forward(t: int, a: int, k: int):
+        return lambda part: pump.send_queue.append((part, nxt, tag(t + 1, a, k), None))
+
+    for a, r in enumerate(owners):
+        for k, (lo, hi) in enumerate(_segments(*r[rank], seg_elems)):
+            pump.send_queue.append((outs[a][lo:hi], nxt, tag(0, a, k), None))
+    for t in range(n - 1):
+        owner = (rank - t - 1) % n
+        for a, r in enumerate(owners):
+            for k, (lo, hi) in enumerate(_segments(*r[owner], seg_elems)):
+                view = outs[a][lo:hi]
+                pump.recv_plan.append((lambda v=view: v, prv, tag(t, a, k), forward(t, a, k) if t < n - 2 else None))
+    pump.run()
+
+
 def bf16_bits(f32: np.ndarray) -> np.ndarray:
     """fp32 -> bfloat16 bit patterns (uint16), rounded to nearest even as MLX and torch do."""
     u = np.ascontiguousarray(f32, np.float32).view(np.uint32)
