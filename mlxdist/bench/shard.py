@@ -71,17 +71,16 @@ def _read(run_dir: Path, n: int, skip: int) -> dict:
 
 
 def link_seconds(owned: list[float], rate: str) -> float:
-    """The least time a step's exchange can take over links of `rate`: rank r's link carries
-    4 bytes of every element but its own range in the reduce-scatter and all but the next
-    rank's range in the all-gather (an all-reduce, equal ranges: 2 (n - 1) / n of the
-    gradients), each direction of a full-duplex link at `rate`."""
+    """The least time a step's exchange can take over full-duplex links of `rate`, ring
+    order: in the reduce-scatter the link out of rank r carries every element but rank r's
+    own range, in the all-gather every element but rank r + 1's, and the all-gather starts
+    after the update, so the two halves add up: 2 (total - smallest range) x 4 bytes (equal
+    ranges: 2 (n - 1) / n of the gradients, an all-reduce's)."""
     from ..rig.simcluster import parse_rate
 
-    n, total = len(owned), sum(owned)
-    if n < 2:
+    if len(owned) < 2:
         return 0.0
-    wire = max((total - owned[r]) + (total - owned[(r + 1) % n]) for r in range(n))
-    return 4 * wire * 8 / parse_rate(rate)
+    return 2 * (sum(owned) - min(owned)) * 4 * 8 / parse_rate(rate)
 
 
 @contextlib.contextmanager
