@@ -1,6 +1,7 @@
-"""Sharded data parallel (`dist.shard=optimizer|gradients`, MLX): the same numbers as data
-parallel and as one process (DESIGN promise 9), shards sized to each rank's memory budget,
-and checkpoints in data parallel's format, so sharded and unsharded runs resume each other."""
+"""Sharded data parallel (`dist.shard=optimizer|gradients`, MLX and torch engines): the same
+numbers as data parallel and as one process (DESIGN promise 9), shards sized to each rank's
+memory budget, and checkpoints in data parallel's format, so sharded and unsharded runs resume
+each other."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ HERE = Path(__file__).parent
 TASK = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "train.warmup_steps=0",
         "train.schedule=constant", "train.lr=1e-2", "dist.sync_weights_every=0",
         "task.factory=user_tasks:mlx_mlp", "train.grad_clip=0.5", "train.weight_decay=0.1", "train.steps=4"]
+# LoRA-named factors, which the torch engine holds transposed to checkpoints; 291 parameters,
+# rank 0's half ending inside the first factor.
+TORCH = ["--engine", "torch", "--device", "cpu", "task.factory=user_tasks:torch_adapted"]
 SPLIT = "nodes={rank0: {batch_size: 3}, rank1: {batch_size: 5}}"
 # rank 0 may use 0.8 of its memory, rank 1 0.2: same machine, so rank 0 owns ~4x the elements
 UNEQUAL = "nodes={rank0: {batch_size: 3, memory_target: 0.8}, rank1: {batch_size: 5, memory_target: 0.2}}"
@@ -60,6 +64,67 @@ def test_shards_are_contiguous_and_sized_by_budget():
     for lo, hi in ((0, 100), (150, 900), (790, 810), (999, 1000)):
         counts = bucket_counts([(0, 800), (800, 1000)], lo, hi)
         assert sum(counts) == hi - lo and min(counts) >= 0
+
+
+def test_the_torch_engines_own_optimizer_flag_is_read_as_a_flag():
+    """The torch engine says `own_optimizer` True/False, the MLX engine the optimizer or None."""
+    from types import SimpleNamespace
+
+    from mlxdist.config import ConfigError, load_config
+    from mlxdist.sync.sharded import check_shardable
+
+    cfg, world = load_config(None, ["dist.shard=optimizer"]), SimpleNamespace(agreed_error=ConfigError)
+    check_shardable(cfg, world, SimpleNamespace(own_optimizer=False, scaler=None))  # mlxdist's AdamW: shardable
+    with pytest.raises(ConfigError, match="brings its own optimizer"):
+        check_shardable(cfg, world, SimpleNamespace(own_optimizer=True, scaler=None))
+
+
+def test_torch_shard_update_is_the_engines_own_adamw_bit_for_bit():
+    """Two shards cut inside a LoRA-style factor (held transposed), updated by the torch engine's
+    shard ops, give bit for bit what its own `torch.optim.AdamW` step gives (decay on matrices
+    only), and the engine keeps no moments of its own meanwhile."""
+    pytest.importorskip("torch")
+    from user_tasks import Regression, torch_adapted
+
+    from mlxdist.config import load_config
+    from mlxdist.engine.base import Piece
+    from mlxdist.engine.torch_engine import TorchEngine
+    from mlxdist.tasks import Batch
+
+    cfg = load_config(None, ["train.weight_decay=0.1", "train.lr=1e-2", "train.grad_clip=0"])
+    ref, sharded = TorchEngine(cfg, "cpu", task=torch_adapted()), TorchEngine(cfg, "cpu", task=torch_adapted())
+    ops, data = sharded.shard_ops(), Regression(64)
+    sizes = [int(np.prod(s)) for s in ops.shapes]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    assert ops.names[2].endswith(".lora_a") and offsets[2] < 150 < offsets[3]
+    shards = [(lo, hi, tuple(Piece(i, max(a, lo) - a, min(b, hi) - a, max(a, lo) - lo)
+                             for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True))
+                             if max(a, lo) < min(b, hi)))
+              for lo, hi in ((0, 150), (150, int(offsets[-1])))]
+    moments = [(ops.array(np.zeros(hi - lo, np.float32)), ops.array(np.zeros(hi - lo, np.float32)))
+               for lo, hi, _ in shards]
+    for t in (1, 2, 3):
+        batch = Batch(np.arange(8), {"x": data.x[8 * t:8 * t + 8], "y": data.y[8 * t:8 * t + 8]}, 8)
+        ref.micro_step(batch)
+        g = ref.take_gradients()
+        ref.apply_gradients(g.arrays, g.loss_sum, g.count, 1e-2)
+        sharded.micro_step(batch)
+        g = sharded.take_gradients()
+        flat = np.concatenate([ops.flat(i, a) for i, a in enumerate(g.arrays)])
+        new = []
+        for r, (lo, hi, pieces) in enumerate(shards):
+            p, *moments[r] = ops.adamw(ops.weights(pieces), *moments[r], ops.array(flat[lo:hi].copy()) * (1 / g.count),
+                                       pieces, 1e-2, t, 1.0)
+            new.append(ops.numpy(p))
+        full = np.concatenate(new)
+        sharded.set_weights({n: full[a:b].reshape(s) for n, s, a, b in
+                             zip(ops.names, ops.shapes, offsets[:-1], offsets[1:], strict=True)})
+        ops.drop_moments(t)
+        assert not sharded.optimizers[0].state and sharded.get_optimizer_state()[1] == t
+    assert_same_weights(ref.get_weights(), sharded.get_weights(), atol=0.0)
+    state, _ = ref.get_optimizer_state()
+    m = np.concatenate([state[f"m.{n}"].reshape(-1) for n in ops.names])
+    assert np.array_equal(m, np.concatenate([ops.numpy(m) for m, _ in moments]))
 
 
 # ---------------------------------------------------------------- real ranks
@@ -121,6 +186,54 @@ def test_checkpoints_resume_across_sharded_and_unsharded_runs(tmp_path, one_proc
     assert _max_diff(_checkpoint(one_process, 4).optimizer, _checkpoint(tmp_path / "resharded", 4).optimizer) <= 1e-6
 
 
+@pytest.fixture(scope="module")
+def torch_one_process(tmp_path_factory) -> Path:
+    """The torch engine, one rank, 8 samples a step, checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("sharded_torch") / "one"
+    _ok(_train([*TORCH, "train.batch_size=8", "checkpoint.every=2", f"train.out_dir={out}"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def torch_zero2(tmp_path_factory) -> Path:
+    """The torch engine, ZeRO-2 on two ranks (3+5), checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("sharded_torch") / "gradients"
+    r = _ok(_train([*TORCH, SPLIT, "dist.shard=gradients", "checkpoint.every=2", f"train.out_dir={out}"], np_=2))
+    assert "(dist.shard=gradients)" in r.stderr and "rank 0 146 (50%)" in r.stderr, r.stderr
+    return out
+
+
+@pytest.mark.cluster
+def test_torch_sharded_equals_data_parallel_and_one_process(tmp_path, torch_one_process, torch_zero2):
+    """The torch engine's AdamW (torch's own, decay on matrices only) with clipping: 3+5 on
+    two ranks sharded equals 3+5 data parallel and 8 on one rank, moments included."""
+    runs = {"gradients": torch_zero2}
+    for shard in ("none", "optimizer"):
+        _ok(_train([*TORCH, SPLIT, f"dist.shard={shard}", "checkpoint.every=2", f"train.out_dir={tmp_path / shard}"],
+                   np_=2))
+        runs[shard] = tmp_path / shard
+    for shard in ("optimizer", "gradients"):
+        for reference in (runs["none"], torch_one_process):
+            assert_same_weights(final_weights(reference), final_weights(runs[shard]), atol=1e-5)
+            moments = _max_diff(_checkpoint(reference, 4).optimizer, _checkpoint(runs[shard], 4).optimizer)
+            assert moments <= 1e-6, f"{shard}: moments differ by {moments:.3g}"
+    clipped = _events(torch_zero2, "step")[0]
+    assert clipped["grad_norm"] > 0.5 and clipped["sync_bytes"] == 2 * 4 * 291
+
+
+@pytest.mark.cluster
+def test_torch_sharded_checkpoint_resumes_unsharded(tmp_path, torch_one_process, torch_zero2):
+    """The torch ZeRO-2 run's step-2 checkpoint is data parallel's (`m.<param>`, `v.<param>`)
+    and resumes on one unsharded rank to the uninterrupted run's weights."""
+    saved, expected = _checkpoint(torch_zero2, 2), _checkpoint(torch_one_process, 2)
+    assert saved.optimizer.keys() == expected.optimizer.keys()
+    assert _max_diff(saved.optimizer, expected.optimizer) <= 1e-6
+    r = _ok(_train([*TORCH, "train.batch_size=8", f"train.out_dir={tmp_path}",
+                    "--resume", str(torch_zero2 / "checkpoints" / "step_00000002")]))
+    assert "resumed from" in r.stderr
+    assert_same_weights(final_weights(torch_one_process), final_weights(tmp_path), atol=1e-5)
+
+
 @pytest.mark.cluster
 def test_buckets_split_parameters_and_shards(tmp_path):
     """The built-in LM (771k parameters) in 0.01 MB buckets: parameters and shards straddle
@@ -135,8 +248,7 @@ def test_buckets_split_parameters_and_shards(tmp_path):
 
 @pytest.mark.parametrize("args, line", [
     (["dist.shard=weights"], "dist.shard=weights (ZeRO-3) is not there yet; use optimizer or gradients"),
-    (["dist.shard=optimizer", "--engine", "torch", "--device", "cpu", "task.factory=user_tasks:torch_mlp"],
-     "MLX engine only for now"),
+    (["dist.shard=optimizer", *TORCH, "model.dtype=float16"], "scales the loss (GradScaler)"),
     (["dist.shard=gradients", "task.factory=user_tasks:mlx_own_optimizer"], "brings its own optimizer"),
     (["dist.shard=optimizer", "dist.mode=diloco"], "dist.mode=diloco keeps each rank's own optimizer"),
 ])

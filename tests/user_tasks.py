@@ -90,6 +90,30 @@ def torch_mlp(n: int = 256) -> mlxdist.Task:
     return mlxdist.Task(build=build, loss=loss, dataset=Regression(n))
 
 
+def torch_adapted(n: int = 256) -> mlxdist.Task:
+    """torch_mlp with a LoRA-style pair of factors beside its first layer, named as PEFT's are
+    in mlxdist (`*.lora_a`, `*.lora_b`): the torch engine keeps those transposed to checkpoints."""
+
+    def build(ctx):
+        import torch
+
+        class Adapted(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = torch.nn.Linear(8, 16)
+                self.lora_a = torch.nn.Parameter(0.3 * torch.randn(4, 8))  # (rank, in), as PEFT's lora_A
+                self.lora_b = torch.nn.Parameter(0.3 * torch.randn(16, 4))
+
+            def forward(self, x):
+                return self.inner(x) + (x @ self.lora_a.T) @ self.lora_b.T
+
+        return torch.nn.Sequential(Adapted(), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    task = torch_mlp(n)
+    task.build = build
+    return task
+
+
 def zero_count() -> mlxdist.Task:
     task = mlx_mlp()
     task.count = lambda b: 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -51,6 +51,56 @@ class StepStats:
     @property
     def loss(self) -> float:
         return self.loss_sum / max(self.tokens, 1)
+
+
+class Piece(NamedTuple):
+    """Elements [start, end) of trained parameter `index`, flattened in checkpoint layout,
+    at offset `at` of a rank's shard (`sync/sharded.py`)."""
+
+    index: int
+    start: int
+    end: int
+    at: int
+
+
+class ShardOps(Protocol):
+    """What the sharded strategy (`sync/sharded.py`, ZeRO-1/2) needs of an engine, so the
+    sharding itself is written once for both. The strategy cuts the trained parameters,
+    flattened one after another in checkpoint layout (`get_weights`'), into ranges, one per
+    rank; `pieces` are a range's parts, one per parameter it touches. Checkpoint layout, not
+    the engine's own, so gathered moments are `m.<param>`/`v.<param>` as they are and
+    checkpoints move between sharded and unsharded runs of either engine. The math (norm,
+    AdamW) stays on the engine's device; only flat fp32 numpy crosses between ranks, so the
+    exchange never knows which framework it serves. Each engine's update is its own
+    unsharded AdamW, element for element, so a sharded run equals data parallel."""
+
+    names: list[str]  # trained parameters, in `take_gradients()` order
+    shapes: list[tuple[int, ...]]  # each one's shape in checkpoint layout
+
+    def flat(self, index: int, grad) -> np.ndarray:
+        """Gradient `index` (as `take_gradients` handed it) as flat fp32 numpy in checkpoint
+        layout: a view where the engine allows, so dropping `grad` frees it (ZeRO-2)."""
+
+    def weights(self, pieces: tuple[Piece, ...]) -> Any:
+        """The current weights' elements of `pieces`, one flat fp32 array on the device."""
+
+    def array(self, a: np.ndarray) -> Any:
+        """`a` on the device (it may share `a`'s memory)."""
+
+    def numpy(self, x) -> np.ndarray:
+        """A device array as numpy (a view where the engine allows)."""
+
+    def squares(self, g, pieces: tuple[Piece, ...]) -> float:
+        """Sum of squares of the shard `g`, summed per piece in fp32 as the engine sums per
+        parameter (one fp32 sum over a long range drifts), then in float64."""
+
+    def adamw(self, p, m, v, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
+        """(p, m, v) after the engine's AdamW update number `t` of the shard (the gradient `g`
+        times the clip coefficient `coef`; decoupled decay on pieces of >= 2-D parameters)."""
+
+    def drop_moments(self, step: int) -> None:
+        """Let go of the engine's own AdamW moments (the shards hold them) and keep `step` as
+        its update count; `set_optimizer_state` brings them back (checkpoints, drift repair)."""
 
 
 class Engine(Protocol):
@@ -98,6 +148,9 @@ class Engine(Protocol):
         """AdamW moments as `m.<param>` / `v.<param>` fp32 arrays, and the update count."""
 
     def set_optimizer_state(self, state: dict[str, np.ndarray], step: int) -> None: ...
+
+    def shard_ops(self) -> ShardOps:
+        """What sharding mlxdist's AdamW over ranks needs (`sync/sharded.py`)."""
 
     def weight_checksum(self) -> int:
         """Bit-exact fingerprint of this rank's weights (equal on all ranks iff they agree)."""

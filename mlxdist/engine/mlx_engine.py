@@ -22,7 +22,7 @@ from ..models.build import built_from_task
 from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from ..tasks.metrics import MetricSums, split_loss
-from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
+from .base import LocalGradients, Piece, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mlx_memory_limit, with_override
 
@@ -248,6 +248,9 @@ class MLXEngine:
         self.v = {n: mx.array(state[f"v.{n}"]) for n in self.names}
         self.opt_step = int(step)
 
+    def shard_ops(self) -> MLXShardOps:
+        return MLXShardOps(self)
+
     def weight_checksum(self) -> int:
         return checksum(np.array(self.params[n]) for n in self.names)
 
@@ -323,3 +326,58 @@ class MLXEngine:
         opt = f"; optimizer {type(self.own_optimizer).__name__} (the task's)" if self.own_optimizer is not None else ""
         return (f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}; "
                 f"{self._limit()[1]}{opt}")
+
+
+class MLXShardOps:
+    """`engine.base.ShardOps` for the MLX engine, whose layout is checkpoint layout. The update
+    is `adamw` above, compiled once for a flat shard, its decay a mask over the shard's pieces."""
+
+    def __init__(self, engine: MLXEngine):
+        self.engine = engine
+        self.names = list(engine.names)
+        self.shapes = [tuple(engine.params[n].shape) for n in self.names]
+        c = engine.cfg.train
+        hp = (c.beta1, c.beta2, c.eps, c.weight_decay)
+        self._update = mx.compile(lambda p, m, v, g, decay, scalars: adamw(p, m, v, g, decay, scalars, hp))
+        self._mask: tuple = (None, None)  # (pieces, their decay mask): built once per shard
+
+    def flat(self, index: int, grad: mx.array) -> np.ndarray:
+        return np.asarray(grad, np.float32).reshape(-1)
+
+    def weights(self, pieces: tuple[Piece, ...]) -> mx.array:
+        params = self.engine.params
+        parts = [params[self.names[pc.index]].reshape(-1)[pc.start:pc.end] for pc in pieces]
+        return mx.concatenate(parts) if parts else mx.zeros((0,), mx.float32)
+
+    def array(self, a: np.ndarray) -> mx.array:
+        return mx.array(a)
+
+    def numpy(self, x: mx.array) -> np.ndarray:
+        return np.asarray(x)
+
+    def squares(self, g: mx.array, pieces: tuple[Piece, ...]) -> float:
+        if not pieces:
+            return 0.0
+        sums = mx.stack([mx.sum(mx.square(g[pc.at:pc.at + pc.end - pc.start])) for pc in pieces])
+        return float(np.sum(np.array(sums, np.float64)))
+
+    def _decay(self, pieces: tuple[Piece, ...]) -> mx.array:
+        if self._mask[0] is not pieces:
+            mask = np.zeros(sum(pc.end - pc.start for pc in pieces), bool)
+            for pc in pieces:
+                mask[pc.at:pc.at + pc.end - pc.start] = decays(self.shapes[pc.index])
+            self._mask = (pieces, mx.array(mask))
+        return self._mask[1]
+
+    def adamw(self, p, m, v, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
+        c = self.engine.cfg.train
+        scalars = mx.array([lr, 1 - c.beta1**t, 1 - c.beta2**t, coef])
+        p, m, v = self._update(p, m, v, g, self._decay(pieces), scalars)
+        mx.eval(p, m, v)
+        return p, m, v
+
+    def drop_moments(self, step: int) -> None:
+        """Lazy zeros: never evaluated, so no memory."""
+        lazy = {f"{k}.{n}": mx.zeros(s, mx.float32) for k in ("m", "v") for n, s in zip(self.names, self.shapes,
+                                                                                          strict=True)}
+        self.engine.set_optimizer_state(lazy, step)

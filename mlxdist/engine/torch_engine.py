@@ -34,7 +34,7 @@ from ..models.presets import ModelArgs
 from ..tasks import Batch, Task, TaskContext, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from ..tasks.metrics import MetricSums, split_loss
-from .base import LocalGradients, StepStats, as_batch, check_scalar, nothing_to_learn
+from .base import LocalGradients, Piece, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mps_reading, process_reading, with_override
 from .torch_grads import ParamGradients
@@ -389,7 +389,7 @@ class TorchEngine:
         if self.own_optimizer:
             return self._own_optimizer_state(), self._updates
         out: dict[str, np.ndarray] = {}
-        step = 0
+        step = self._updates  # the count kept while sharded (`TorchShardOps.drop_moments`): no state then
         opt = self.optimizers[0]
         for name, p in zip(self._names, self._params, strict=True):
             st = opt.state.get(p, {})
@@ -423,6 +423,7 @@ class TorchEngine:
         if missing:
             raise ValueError(f"set_optimizer_state: no moments for {missing[:5]}")
         opt = self.optimizers[0]
+        self._updates = int(step)
         for name, p in zip(self._names, self._params, strict=True):
             # torch keeps `step` as a float tensor: on the device for fused/capturable AdamW,
             # on the CPU otherwise (it reads it with .item() for the bias correction).
@@ -452,6 +453,9 @@ class TorchEngine:
                 opt.state[p][field] = v if field == "step" else v.to(p.device, like.dtype if like is not None
                                                                          else (p.dtype if v.is_floating_point()
                                                                                else v.dtype))
+
+    def shard_ops(self) -> TorchShardOps:
+        return TorchShardOps(self)
 
     def micro_step(self, batch) -> None:
         loss, n = self._summed_loss(self._forward, as_batch(batch))
@@ -570,3 +574,76 @@ class TorchEngine:
         """No KV cache: each token re-runs the cropped context (fine for short demos)."""
         return sample_tokens(lambda w: self.logits(np.array([w], np.int32))[0, -1], prompt, max_new,
                              temperature, seed, context or self.cfg.data.seq_len, stop, on_token)
+
+
+class TorchShardOps:
+    """`engine.base.ShardOps` for the torch engine. LoRA factors turn to checkpoint layout on
+    the way out (gradients, weights) and back in `set_weights`/`set_optimizer_state`. The
+    update is torch's own functional AdamW, what `torch.optim.AdamW.step` runs, with the
+    engine optimizer's foreach/fused settings, called on views of the shard's pieces, decayed
+    ones and undecayed ones apart as the engine's two parameter groups: every element gets the
+    arithmetic of the unsharded run."""
+
+    def __init__(self, engine: TorchEngine):
+        self.engine = engine
+        self.names = list(engine._names)
+        self.shapes = [tuple(p.shape)[::-1] if _flipped(n) else tuple(p.shape)
+                       for n, p in zip(self.names, engine._params, strict=True)]
+        group = engine.optimizers[0].param_groups[0]
+        self._how = {k: group.get(k) for k in ("foreach", "fused", "capturable", "differentiable")}
+
+    def _ours(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        return t.T if _flipped(self.names[index]) else t
+
+    def flat(self, index: int, grad: torch.Tensor) -> np.ndarray:
+        g = self._ours(index, grad.detach()).to("cpu", torch.float32)
+        return g.contiguous().reshape(-1).numpy()  # on the CPU, fp32 and not a LoRA factor: a view
+
+    @torch.no_grad()
+    def weights(self, pieces: tuple[Piece, ...]) -> torch.Tensor:
+        params = self.engine._params
+        parts = [self._ours(pc.index, params[pc.index].detach()).reshape(-1)[pc.start:pc.end] for pc in pieces]
+        return torch.cat(parts) if parts else torch.zeros(0, device=self.engine.dev)
+
+    def array(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.engine.dev)
+
+    def numpy(self, x: torch.Tensor) -> np.ndarray:
+        return x.detach().to("cpu").numpy()
+
+    @staticmethod
+    def _cuts(pieces: tuple[Piece, ...]) -> list[slice]:
+        return [slice(pc.at, pc.at + pc.end - pc.start) for pc in pieces]
+
+    @torch.no_grad()
+    def squares(self, g: torch.Tensor, pieces: tuple[Piece, ...]) -> float:
+        if not pieces:
+            return 0.0
+        sums = torch.stack([g[s].square().sum() for s in self._cuts(pieces)])
+        return float(sums.cpu().double().sum())  # float64 on the CPU: MPS has none
+
+    @torch.no_grad()
+    def adamw(self, p, m, v, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
+        from torch.optim.adamw import adamw
+
+        e, c = self.engine, self.engine.cfg.train
+        if coef != 1.0:
+            g = g * coef
+        lr = c.lr * (lr / c.lr) if c.lr > 0 else 0.0  # as the engine scales its groups' learning rate
+        on_device = self._how["fused"] or self._how["capturable"]
+        for decay in (True, False):
+            cuts = [s for s, pc in zip(self._cuts(pieces), pieces, strict=True)
+                    if decays(self.shapes[pc.index]) == decay]
+            if not cuts:
+                continue
+            # One step count per piece, as torch keeps one per parameter: the call adds 1 to each.
+            steps = [torch.tensor(float(t - 1), dtype=torch.float32, device=e.dev if on_device else "cpu")
+                     for _ in cuts]
+            adamw([p[s] for s in cuts], [g[s] for s in cuts], [m[s] for s in cuts], [v[s] for s in cuts], [],
+                  steps, **self._how, amsgrad=False, beta1=c.beta1, beta2=c.beta2, lr=lr,
+                  weight_decay=c.weight_decay if decay else 0.0, eps=c.eps, maximize=False)
+        return p, m, v
+
+    def drop_moments(self, step: int) -> None:
+        self.engine.optimizers[0].state.clear()
+        self.engine._updates = int(step)

@@ -1,11 +1,12 @@
-"""Sharded data parallel (`dist.shard=optimizer`, ZeRO-1; `dist.shard=gradients`, ZeRO-2), MLX engine.
+"""Sharded data parallel (`dist.shard=optimizer`, ZeRO-1; `dist.shard=gradients`, ZeRO-2), both
+engines.
 
 Every rank computes on its own samples as in data parallel, but AdamW's moments are split:
-the trainable parameters, flattened in the engine's order into one fp32 vector of N
-elements, are cut into contiguous ranges, rank r owning [a_r, b_r). The ranges are sized to
-each rank's memory budget (`proportional_split` of N by memory limit x memory_target, the
-rank's `nodes:` entry or `control.memory_target`), so a 128 GB Studio holds more of the
-optimizer state than a 16 GB MacBook. A step:
+the trainable parameters, flattened in the engine's order (in checkpoint layout) into one
+fp32 vector of N elements, are cut into contiguous ranges, rank r owning [a_r, b_r). The
+ranges are sized to each rank's memory budget (`proportional_split` of N by memory limit x
+memory_target, the rank's `nodes:` entry or `control.memory_target`), so a 128 GB Studio
+holds more of the optimizer state than a 16 GB MacBook. A step:
 
 1. the summed gradients are reduce-scattered (unequal counts, in `dist.bucket_mb` buckets, one
    MPI Reduce per owner): each rank receives the cluster's sum of its own range only;
@@ -16,6 +17,15 @@ optimizer state than a 16 GB MacBook. A step:
    correction, decay only on >= 2-D parameters) to its range, with its m, v (fp32) for that
    range only;
 4. the updated ranges are all-gathered and every rank sets the whole model.
+
+One sharding for both engines: each lends a few operations (`engine.shard_ops()`,
+`engine.base.ShardOps`) that keep the math on its own device (MLX, or torch on MPS/CUDA/CPU),
+and only flat fp32 numpy crosses between ranks, in `_reduce_scatter` and `_allgather` alone,
+so the exchange knows no framework. Each engine's shard update is its own unsharded update,
+element for element (MLX: `mlx_engine.adamw`; torch: the functional AdamW that
+`torch.optim.AdamW` runs): that is what makes a sharded run equal data parallel on either
+engine. The flat vector is in checkpoint layout (the torch engine holds LoRA factors
+transposed), so gathered moments are the checkpoint's `m.<param>`/`v.<param>` as they are.
 
 On the wire this is what data parallel sends: an all-reduce is a reduce-scatter followed by
 an all-gather; here the all-gather carries new weights instead of summed gradients (between
@@ -29,11 +39,13 @@ Memory. ZeRO-1 saves 8 N (1 - f) bytes per rank (f: the rank's fraction) of the 
 weights, gradients and moments take in data parallel (the all-gather keeps a 4 N buffer, as
 data parallel's reducer keeps its result buffers). ZeRO-2 also lets go of each gradient
 array as soon as its last bucket is sent, so the update and the all-gather run without the
-full gradient (4 N bytes less at that point of the step). `value_and_grad` still builds
-the whole gradient tree in backward (the engine accumulates micro-batches into a full tree)
-before any exchange begins; measured, ZeRO-2's peak was below ZeRO-1's all the same (2317
-against 2818 MB a rank, `bench shard`), the update's temporaries no longer sitting beside the
-full gradient. Sharding gradients during backward would need per-layer hooks, which MLX has not.
+full gradient (4 N bytes less at that point of the step). Backward still builds the whole
+gradient (`value_and_grad`'s tree; torch's `.grad` of every parameter) before any exchange
+begins; measured (MLX), ZeRO-2's peak was below ZeRO-1's all the same (2317 against 2818 MB
+a rank, `bench shard`), the update's temporaries no longer sitting beside the full gradient.
+Sharding gradients during backward would need per-layer hooks, which MLX has not (torch has
+them: not used yet). A torch fp16 run is refused: its GradScaler's scaled gradients would
+need unscaling and overflow skips here too.
 
 Checkpoints are data parallel's: before a save the writers (rank 0; with
 `checkpoint.on_every_host` each host's first rank) gather the moments and hand them to the
@@ -41,9 +53,9 @@ engine, which saves `m.<param>`/`v.<param>` as always; after a restore, every ra
 range out of the engine's (broadcast) moments, and the engine's copy is dropped. So a
 sharded run and an unsharded one, on any number of ranks, resume each other.
 
-The engine's own moments are never allocated: they stay lazy MLX zeros (no memory until
-evaluated), except around a save (the writers), a restore and a drift repair (`share_state`
-broadcasts the engine's moments, whole), until the next step drops them.
+The engine's own moments are never allocated (MLX: lazy zeros, no memory until evaluated;
+torch: no optimizer state), except around a save (the writers), a restore and a drift repair
+(`share_state` broadcasts the engine's moments, whole), until the next step drops them.
 """
 
 from __future__ import annotations
@@ -58,15 +70,9 @@ from ..cluster.world import World
 from ..config import Config
 from ..control.plan import Decision
 from ..control.split import proportional_split
-from ..engine.base import Engine, StepStats, nothing_to_learn
-from ..engine.common import decays
+from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
 from ..tasks.metrics import means
 from .data_parallel import DataParallel
-
-try:
-    import mlx.core as mx
-except ImportError:  # the torch engine where MLX is not installed: refused before any use
-    mx = None
 
 LEVELS = {"optimizer": "ZeRO-1", "gradients": "ZeRO-2"}
 MB = 2**20
@@ -77,15 +83,16 @@ def check_shardable(cfg: Config, world: World, engine: Engine) -> None:
     shard = cfg.dist.shard
     if shard == "weights":
         raise world.agreed_error("dist.shard=weights (ZeRO-3) is not there yet; use optimizer or gradients")
-    if engine.name != "mlx":
-        raise world.agreed_error(f"dist.shard={shard}: MLX engine only for now (this run uses --engine "
-                             f"{engine.name}); set dist.shard=none")
     if cfg.dist.mode == "diloco":
         raise world.agreed_error(f"dist.shard={shard} shards data parallel's optimizer; dist.mode=diloco keeps "
                              "each rank's own optimizer: set dist.shard=none")
-    if getattr(engine, "own_optimizer", None) is not None:
+    if getattr(engine, "own_optimizer", None) not in (None, False):  # MLX: the optimizer or None; torch: a flag
         raise world.agreed_error(f"dist.shard={shard} shards mlxdist's AdamW; this task brings its own optimizer "
                              "(Task.optimizer): drop it or set dist.shard=none")
+    if getattr(engine, "scaler", None) is not None:
+        raise world.agreed_error(f"dist.shard={shard}: model.dtype=float16 on the torch engine scales the loss "
+                                 "(GradScaler), which the sharded update does not undo; use model.dtype=bfloat16 "
+                                 "or float32, or dist.shard=none")
 
 
 def shard_bounds(total: int, budgets: list[float]) -> list[tuple[int, int]]:
@@ -111,8 +118,9 @@ class ShardedDataParallel(DataParallel):
         super().__init__(world, reducer=None)  # every rank sets the same gathered weights: drift check on
         self.cfg, self.hosts = cfg, hosts
         self.level = cfg.dist.shard
-        self.names: list[str] = list(engine.names)
-        self.shapes = {n: tuple(engine.params[n].shape) for n in self.names}
+        self.ops = engine.shard_ops()
+        self.names: list[str] = list(self.ops.names)
+        self.shapes = dict(zip(self.names, self.ops.shapes, strict=True))  # checkpoint layout
         sizes = [math.prod(self.shapes[n]) for n in self.names]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
         self.total = self.offsets[-1]
@@ -124,24 +132,15 @@ class ShardedDataParallel(DataParallel):
         self.counts = [b - a for a, b in self.bounds]
         self.bucket = max(1, int(cfg.dist.bucket_mb * MB / 4))
         self.writes = world.allgather(world.rank == 0 or (cfg.checkpoint.on_every_host and world.local_rank == 0))
-        self.decay = mx.array(self._decay_mask())
-        self.m = mx.zeros((self.hi - self.lo,), mx.float32)
-        self.v = mx.zeros((self.hi - self.lo,), mx.float32)
+        self.pieces = tuple(Piece(i, a, b, self.offsets[i] + a - self.lo) for i, _, a, b in self._mine())
+        self.m, self.v = self._zeros(), self._zeros()
         self.t = 0
         self._full: np.ndarray | None = None  # the all-gather's buffer, as data parallel's reducer keeps its own
-        c = cfg.train
-        hp = (c.beta1, c.beta2, c.eps, c.weight_decay)
-        from ..engine.mlx_engine import adamw
-
-        self._adamw = mx.compile(lambda p, m, v, g, decay, scalars: adamw(p, m, v, g, decay, scalars, hp))
-        self._forget_engine_moments(engine)
+        self.ops.drop_moments(self.t)
 
     # -- layout -----------------------------------------------------------------------
-    def _decay_mask(self) -> np.ndarray:
-        mask = np.zeros(self.hi - self.lo, bool)
-        for i, n, a, b in self._mine():
-            mask[self.offsets[i] + a - self.lo:self.offsets[i] + b - self.lo] = decays(self.shapes[n])
-        return mask
+    def _zeros(self):
+        return self.ops.array(np.zeros(self.hi - self.lo, np.float32))
 
     def _mine(self, lo: int | None = None, hi: int | None = None):
         """(index, name, start, end) of each parameter's part within [lo, hi) (default: this rank's
@@ -184,7 +183,8 @@ class ShardedDataParallel(DataParallel):
         """This rank's range of the sum over ranks of `grads` (engine arrays in name order).
         ZeRO-2 drops each gradient array once its last element is sent."""
         if self.world.comm is None:
-            return self._slice(dict(zip(self.names, grads, strict=True)))
+            parts = [self.ops.flat(i, grads[i])[a:b] for i, _, a, b in self._mine()]
+            return np.concatenate(parts) if parts else np.zeros(0, np.float32)
         from mpi4py import MPI
 
         mine = np.empty(self.hi - self.lo, np.float32)
@@ -195,12 +195,12 @@ class ShardedDataParallel(DataParallel):
             for lo, hi, counts in self._buckets():
                 for i, _, a, b in self._mine(lo, hi):
                     if i not in views:
-                        views[i] = np.asarray(grads[i], np.float32).reshape(-1)
+                        views[i] = self.ops.flat(i, grads[i])
                     at = self.offsets[i] + a - lo
                     send[at:at + b - a] = views[i][a:b]
                     if free and self.offsets[i] + b == self.offsets[i + 1]:
                         del views[i]
-                        grads[i] = None  # its last element is on its way: let MLX free it
+                        grads[i] = None  # its last element is on its way: let the engine free it
                 # One Reduce to each owner: Open MPI's Reduce_scatter with unequal counts took
                 # 460 ms for 100 MB between two ranks on one host, two Reduce calls 78 ms.
                 at, start = max(self.lo, lo) - self.lo, 0
@@ -264,9 +264,11 @@ class ShardedDataParallel(DataParallel):
     def _update(self, engine: Engine, summed: np.ndarray, loss_sum: float, count: int, lr: float) -> StepStats:
         if count <= 0:
             return nothing_to_learn(loss_sum)
-        g = mx.array(summed) * (1.0 / max(count, 1))
+        g = self.ops.array(summed) * (1.0 / max(count, 1))
         del summed
-        norm = math.sqrt(self.world.allreduce_sum([self._squares(g)])[0])
+        # Summed per parameter piece in fp32 as the engine sums (one fp32 sum over a long range
+        # drifts: 4e-4 relative over 600k elements on the CPU), then in float64.
+        norm = math.sqrt(self.world.allreduce_sum([self.ops.squares(g, self.pieces)])[0])
         stats = StepStats(loss_sum, count, norm, skipped=False)
         if not (math.isfinite(loss_sum) and math.isfinite(norm)):
             stats.skipped = True
@@ -274,48 +276,28 @@ class ShardedDataParallel(DataParallel):
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         t = self.t + 1
-        c = self.cfg.train
-        scalars = mx.array([lr, 1 - c.beta1**t, 1 - c.beta2**t, coef])
         # The weights the engine holds now (a restore or a drift repair may have set them).
-        p = mx.array(self._slice(engine.params))
-        p, self.m, self.v = self._adamw(p, self.m, self.v, g, self.decay, scalars)
-        mx.eval(p, self.m, self.v)
+        p = self.ops.weights(self.pieces)
+        p, self.m, self.v = self.ops.adamw(p, self.m, self.v, g, self.pieces, lr, t, coef)
         del g
         t0 = time.perf_counter()
-        full = self._allgather(np.asarray(p))
+        full = self._allgather(self.ops.numpy(p))
         stats.sync_seconds = time.perf_counter() - t0
         stats.sync_bytes = 4 * self.total
         engine.set_weights(self._unflatten(full))
         self.t = t
-        self._forget_engine_moments(engine)
+        self.ops.drop_moments(t)
         return stats
 
-    def _squares(self, g) -> float:
-        """Sum of squares of this rank's range, per parameter in fp32 as the engine sums (one
-        fp32 sum over a long range drifts: 4e-4 relative over 600k elements on the CPU), then
-        in float64."""
-        parts = [self.offsets[i] + a - self.lo for i, _, a, _ in self._mine()] + [self.hi - self.lo]
-        if len(parts) == 1:
-            return 0.0
-        sums = mx.stack([mx.sum(mx.square(g[a:b])) for a, b in zip(parts[:-1], parts[1:], strict=True)])
-        return float(np.sum(np.array(sums, np.float64)))
-
-    def _forget_engine_moments(self, engine: Engine) -> None:
-        """The engine keeps lazy zeros (never evaluated: no memory) and this run's update count."""
-        lazy = {f"{k}.{n}": mx.zeros(self.shapes[n], mx.float32) for k in ("m", "v") for n in self.names}
-        engine.set_optimizer_state(lazy, self.t)
-
     def before_last_backward(self, engine: Engine) -> None:
-        """MLX builds the whole backward graph lazily: nothing to overlap with."""
-
-
-
+        """The exchange starts after backward: MLX builds the whole backward graph lazily, and
+        torch's per-parameter hooks (data parallel's overlap) would only start it earlier."""
 
     # -- checkpoints ------------------------------------------------------------------
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
         """Gather the moments to every checkpoint writer and hand them to its engine, which
         saves them as data parallel's `m.<param>`/`v.<param>`; dropped again at the next step."""
-        m, v = np.asarray(self.m), np.asarray(self.v)
+        m, v = self.ops.numpy(self.m), self.ops.numpy(self.v)
         for root, writes in enumerate(self.writes):
             if not writes:
                 continue
@@ -324,24 +306,19 @@ class ShardedDataParallel(DataParallel):
                 engine.set_optimizer_state(self._unflatten(full_m, "m.") | self._unflatten(full_v, "v."), self.t)
         return []
 
-
-
-
     def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
                         optimizer_step: int) -> list[Decision]:
         """Every rank holds the checkpoint's whole moments now (rank 0's, broadcast): keep
         this rank's range, drop the engine's copy. A fresh run: zeros."""
         state, count = engine.get_optimizer_state()  # count: the checkpoint's, or 0
         if any(f"{k}.{n}" not in state for k in ("m", "v") for n in self.names):
-            self.m = mx.zeros((self.hi - self.lo,), mx.float32)
-            self.v = mx.zeros((self.hi - self.lo,), mx.float32)
+            self.m, self.v = self._zeros(), self._zeros()
         else:
-            self.m = mx.array(self._slice({n: state[f"m.{n}"] for n in self.names}))
-            self.v = mx.array(self._slice({n: state[f"v.{n}"] for n in self.names}))
+            self.m = self.ops.array(self._slice({n: state[f"m.{n}"] for n in self.names}))
+            self.v = self.ops.array(self._slice({n: state[f"v.{n}"] for n in self.names}))
         del state
         self.t = int(count)
-        mx.eval(self.m, self.v)
-        self._forget_engine_moments(engine)
+        self.ops.drop_moments(self.t)
         return [Decision("shard", None, {"step": step, "mode": self.level, "rank": self.world.rank,
                                          "elements": self.counts, "bounds": [list(b) for b in self.bounds],
                                          "optimizer_bytes": self.shard_bytes(),
