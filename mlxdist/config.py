@@ -153,6 +153,10 @@ class DistConfig:
         choices=("none", "optimizer", "gradients", "weights", "auto"),
         help="data parallel, sharded: optimizer state (ZeRO-1), + gradients (ZeRO-2), + weights (ZeRO-3); "
              "auto: the least that fits every rank's memory; shards sized to each rank's memory"))
+    shard_split: str = field(default="memory", metadata=_range(
+        choices=("memory", "equal"),
+        help="shard sizes: in proportion to each rank's memory budget, or equal (the exchange's least wire time: "
+             "unequal shards make it 2 x (1 - the smallest share) of the gradients, equal ones 2 (n-1)/n)"))
     backend: str = field(default="auto", metadata=_range(choices=("auto", "mlx-mpi", "mlx-ring", "mlx-jaccl", "mpi4py")))
     bucket_mb: float = field(default=25.0, metadata=_range(0.01))
     wire_dtype: str = field(default="float32", metadata=_range(choices=("float32", "bfloat16", "float16")))

@@ -246,6 +246,24 @@ def test_buckets_split_parameters_and_shards(tmp_path):
     assert_same_weights(final_weights(tmp_path / "dp"), final_weights(tmp_path / "zero2"), atol=1e-5)
 
 
+@pytest.mark.cluster
+def test_bfloat16_on_the_wire_takes_the_ring_and_halves_the_gradient_bytes(tmp_path):
+    """`dist.wire_dtype=bfloat16`: the reduce-scatter goes through the pipelined ring in bf16
+    (MPI cannot sum bf16) in equal shards (`dist.shard_split=equal`, despite 0.8/0.2 memory
+    targets), the all-gather stays fp32: the same weights as data parallel with a bf16 wire
+    (two ranks: one rounding of the same pairwise sum either way). No clipping here: a norm
+    that differs in the 8th digit moves weights by 1e-7, and bf16's rounding of the next
+    gradients turns that into 1e-5 (fp32 runs check clipping)."""
+    lm = [*FAST, "train.steps=2", "train.grad_clip=0", "dist.sync_weights_every=0", "dist.wire_dtype=bfloat16"]
+    _ok(run_train([*lm, SPLIT, f"train.out_dir={tmp_path / 'dp'}"], np_=2))
+    r = _ok(run_train([*lm, UNEQUAL, "dist.shard=optimizer", "dist.shard_split=equal",
+                       f"train.out_dir={tmp_path / 'zero1'}"], np_=2))
+    assert "in equal shards (dist.shard_split=equal): rank 0 385728 (50%)" in r.stderr, r.stderr
+    assert "exchange: pipelined ring, gradients bfloat16 on the wire (weights fp32)" in r.stderr
+    assert _events(tmp_path / "zero1", "step")[0]["sync_bytes"] == (2 + 4) * 771456
+    assert_same_weights(final_weights(tmp_path / "dp"), final_weights(tmp_path / "zero1"), atol=1e-7)
+
+
 @pytest.mark.parametrize("args, line", [
     (["dist.shard=weights"], "dist.shard=weights (ZeRO-3) is not there yet; use optimizer or gradients"),
     (["dist.shard=optimizer", *TORCH, "model.dtype=float16"], "scales the loss (GradScaler)"),

@@ -66,6 +66,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cluster.ring import RING_MIN_BYTES, bf16_bits, ring_allgather, ring_reduce_scatter
 from ..cluster.world import World
 from ..config import Config
 from ..control.plan import Decision
@@ -127,7 +128,8 @@ class ShardedDataParallel(DataParallel):
         node = cfg.node_for(world.host, world.rank)
         target = node.memory_target or cfg.control.memory_target
         self.budgets = [float(b) for b in world.allgather(float(engine.memory().limit) * target)]
-        self.bounds = shard_bounds(self.total, self.budgets)
+        self.bounds = shard_bounds(self.total, self.budgets if cfg.dist.shard_split == "memory"
+                                   else [1.0] * world.size)
         self.lo, self.hi = self.bounds[world.rank]
         self.counts = [b - a for a, b in self.bounds]
         self.bucket = max(1, int(cfg.dist.bucket_mb * MB / 4))
@@ -136,6 +138,13 @@ class ShardedDataParallel(DataParallel):
         self.m, self.v = self._zeros(), self._zeros()
         self.t = 0
         self._full: np.ndarray | None = None  # the all-gather's buffer, as data parallel's reducer keeps its own
+        self.wire = cfg.dist.wire_dtype
+        # Between hosts, or with a half-precision wire (MPI cannot sum bfloat16): the pipelined
+        # ring (`cluster/ring.py`), on its own communicator so its tags meet no other messages.
+        # On one host Open MPI's shared-memory collectives; see `_reduce_scatter`.
+        self.ring = world.comm is not None and (self.wire != "float32" or (
+            len(set(hosts)) > 1 and 4 * self.total >= RING_MIN_BYTES))
+        self.ring_comm = world.comm.Dup() if self.ring else None
         self.ops.drop_moments(self.t)
 
     # -- layout -----------------------------------------------------------------------
@@ -167,10 +176,13 @@ class ShardedDataParallel(DataParallel):
     def describe(self) -> str | None:
         share = ", ".join(f"rank {r} {c} ({c / max(self.total, 1):.0%}) {8 * c / MB:.3g} MB"
                           for r, c in enumerate(self.counts))
-        wire = "" if self.cfg.dist.wire_dtype == "float32" else f"; fp32 on the wire (dist.wire_dtype " \
-                                                                f"{self.cfg.dist.wire_dtype} not applied)"
+        how = "in equal shards (dist.shard_split=equal)" if self.cfg.dist.shard_split == "equal" \
+            else "by memory budget"
+        wire = "; exchange: " + ("pipelined ring" if self.ring else "Open MPI collectives (one host)")
+        if self.wire != "float32":
+            wire += f", gradients {self.wire} on the wire (weights fp32)"
         return (f"sharded data parallel, {LEVELS[self.level]} (dist.shard={self.level}): AdamW state of "
-                f"{self.total} parameters by memory budget: {share} (data parallel: {8 * self.total / MB:.3g} "
+                f"{self.total} parameters {how}: {share} (data parallel: {8 * self.total / MB:.3g} "
                 f"MB on every rank){wire}")
 
     # -- collectives ------------------------------------------------------------------
@@ -185,6 +197,8 @@ class ShardedDataParallel(DataParallel):
         if self.world.comm is None:
             parts = [self.ops.flat(i, grads[i])[a:b] for i, _, a, b in self._mine()]
             return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        if self.ring:
+            return self._ring_reduce_scatter(grads)
         from mpi4py import MPI
 
         mine = np.empty(self.hi - self.lo, np.float32)
@@ -211,6 +225,27 @@ class ShardedDataParallel(DataParallel):
                     start += n
         return mine
 
+    def _ranges(self, i: int) -> list[tuple[int, int]]:
+        """Each rank's range of parameter `i`, counted within it ((0, 0): none)."""
+        a0, b0 = self.offsets[i], self.offsets[i + 1]
+        return [(max(a, a0) - a0, min(b, b0) - a0) if min(b, b0) > max(a, a0) else (0, 0) for a, b in self.bounds]
+
+    def _ring_reduce_scatter(self, grads: list) -> np.ndarray:
+        """The ring's first half straight from the gradients (no packed copy), each parameter's
+        ranges by owner; with `dist.wire_dtype` the gradients go as bf16/fp16 (a half-size copy)
+        and each hop's sum is rounded to it, as data parallel's ring does."""
+        srcs = [self.ops.flat(i, g) for i, g in enumerate(grads)]
+        if self.wire == "bfloat16":
+            srcs = [bf16_bits(x) for x in srcs]
+        elif self.wire == "float16":
+            srcs = [x.astype(np.float16) for x in srcs]
+        mine = np.empty(self.hi - self.lo, srcs[0].dtype if srcs else np.float32)
+        with self.world.watch(f"gradient reduce-scatter ({LEVELS[self.level]}, ring)"):
+            ring_reduce_scatter(self.ring_comm, srcs, [self._ranges(i) for i in range(len(srcs))], mine)
+        if self.wire == "bfloat16":
+            return (mine.astype(np.uint32) << 16).view(np.float32)
+        return mine.astype(np.float32, copy=False)
+
     def _allgather(self, shard: np.ndarray) -> np.ndarray:
         if self.world.comm is None:
             return shard
@@ -219,6 +254,11 @@ class ShardedDataParallel(DataParallel):
         if self._full is None:  # kept: a fresh buffer costs a page fault per 4 KiB, every step
             self._full = np.empty(self.total, np.float32)
         full = self._full
+        if self.ring:
+            full[self.lo:self.hi] = shard
+            with self.world.watch(f"weight all-gather ({LEVELS[self.level]}, ring)"):
+                ring_allgather(self.ring_comm, [full], [self.bounds])
+            return full
         with self.world.watch(f"weight all-gather ({LEVELS[self.level]})"):
             for lo, hi, counts in self._buckets():
                 at = max(self.lo, lo) - self.lo
@@ -258,7 +298,7 @@ class ShardedDataParallel(DataParallel):
         stats.metrics = means(local.metrics.names(), metrics)
         self.state_sync(engine, local.count)
         stats.sync_seconds += rs_seconds
-        stats.sync_bytes += 4 * self.total
+        stats.sync_bytes += (4 if self.wire == "float32" else 2) * self.total  # the reduce-scatter's
         return stats
 
     def _update(self, engine: Engine, summed: np.ndarray, loss_sum: float, count: int, lr: float) -> StepStats:
@@ -324,3 +364,7 @@ class ShardedDataParallel(DataParallel):
                                          "optimizer_bytes": self.shard_bytes(),
                                          "optimizer_bytes_here": self.shard_bytes()[self.world.rank]})]
 
+    def close(self) -> None:
+        if self.ring_comm is not None:
+            self.ring_comm.Free()
+            self.ring_comm = None
