@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from mlxdist.config import load_config
@@ -21,21 +23,29 @@ from mlxdist.plan import main, parse_hosts, parse_size
 N = 1_000_000
 
 
-def test_estimate_data_parallel_holds_everything():
+def test_estimate_data_parallel_holds_everything_and_the_update_beside_it():
     b = estimate(N, "none", 0.25, micro_batch=4, activation_bytes_per_sample=1000, dtype="float32")
-    assert (b.weights, b.gradients, b.optimizer, b.activations) == (4 * N, 4 * N, 8 * N, 4000)
-    assert b.total == 16 * N + 4000
+    assert (b.weights, b.gradients, b.optimizer, b.activations, b.update) == (4 * N, 4 * N, 8 * N, 4000, 12 * N)
+    assert b.total == 28 * N  # the compiled AdamW's new p, m, v beside the old ones (measured 28.8 N)
+    two = estimate(N, "none", 0.25, 4, 1000, ranks=2)
+    assert two.gradients == 8 * N and two.total == 32 * N  # + the reducer's summed copy (measured 32.0 N)
+    assert estimate(N, "none", 1.0, 4, 40 * N // 4).total == 52 * N  # activations above the update
 
 
-def test_estimate_zero1_shards_adamw_state_only():
-    b = estimate(N, "optimizer", 0.25, 1, 0)
-    assert b.optimizer == 8 * N * 0.25 == 2 * N
-    assert (b.weights, b.gradients) == (4 * N, 4 * N)
+def test_estimate_zero1_shards_adamw_state_and_its_update():
+    b = estimate(N, "optimizer", 0.5, 1, 0, ranks=2)
+    assert b.optimizer == 8 * N * 0.5 == 4 * N
+    assert (b.weights, b.gradients, b.update) == (4 * N, 4 * N + 2 * N, 17 * N // 2)
+    assert b.total == 8 * N + 29 * N // 2  # measured 22.5 N (bench shard, base, 2 ranks)
+    small = estimate(N, "optimizer", 1 / 6, 1, 0, ranks=6)  # the all-gathered weights set beside the old
+    assert small.update == 4 * N + math.ceil(N / 6) and small.total == pytest.approx(14.17 * N, rel=1e-3)
 
 
-def test_estimate_zero2_shards_gradients_plus_one_bucket():
-    b = estimate(N, "gradients", 0.5, 1, 0, bucket_bytes=1000)
-    assert (b.weights, b.gradients, b.optimizer) == (4 * N, 2 * N + 1000, 4 * N)
+def test_estimate_zero2_drops_the_whole_gradients_before_the_update():
+    b = estimate(N, "gradients", 0.5, 1, 0, ranks=2)
+    assert (b.weights, b.gradients, b.optimizer, b.whole_gradients) == (4 * N, 2 * N, 4 * N, 4 * N)
+    assert b.total == 4 * N + 29 * N // 2  # measured 18.5 N
+    assert estimate(N, "gradients", 1 / 6, 1, 0, ranks=6).total == pytest.approx(10.17 * N, rel=1e-3)
 
 
 def test_estimate_zero3_shards_weights_plus_one_gathered_unit():
@@ -47,7 +57,7 @@ def test_estimate_zero3_shards_weights_plus_one_gathered_unit():
 
 def test_estimate_bf16_adds_the_compute_copy_and_unknown_activations_count_zero():
     b = estimate(N, "none", 1.0, 8, None, "bfloat16")
-    assert b.weights == 6 * N and b.activations is None and b.total == 6 * N + 4 * N + 8 * N
+    assert b.weights == 6 * N and b.activations is None and b.total == 6 * N + 8 * N + 4 * N + 12 * N
 
 
 def test_estimate_refuses_unknown_mode_and_bad_fraction():
@@ -93,23 +103,24 @@ def _plan_for(budgets_gib: list[float], n: int = 100_000_000, act: int = 0):
 
 
 def test_auto_picks_none_when_data_parallel_fits():
-    p = _plan_for([2.0, 2.0])  # 16 bytes x 100M = 1.49 GiB each
+    p = _plan_for([3.5, 3.5])  # 32 bytes x 100M = 2.98 GiB each
     assert p.choice == "none" and p.fits("none")
     assert "the least sharding that fits; it fits every rank" in p.choice_line()
 
 
 def test_auto_picks_optimizer_when_only_sharding_adamw_fits():
-    # 100M params: 8N = 0.75 GiB of weights+grads; AdamW 0.75 GiB split 8:1.
-    p = _plan_for([8.0, 0.9])
+    # 100M params, shards 8:1.3: on the small rank ZeRO-1 holds 12 N + 13 N f = 1.29 GiB (the gathered
+    # weights set beside the old ones), data parallel 32 N = 2.98 GiB.
+    p = _plan_for([8.0, 1.3])
     assert p.choice == "optimizer"
     assert not p.fits("none") and p.fits("optimizer")
     line = p.choice_line()
     assert line.startswith("dist.shard=auto -> optimizer (ZeRO-1)")
-    assert "none does not: rank 1 (h1) needs 1.5 GiB" in line
+    assert "none does not: rank 1 (h1) needs 3.0 GiB" in line
 
 
 def test_auto_picks_gradients_then_weights_as_memory_shrinks():
-    assert _plan_for([8.0, 0.55]).choice == "gradients"  # 4N of weights is 0.37 GiB
+    assert _plan_for([8.0, 0.9]).choice == "gradients"  # 8 N + 13 N f: 0.87 GiB (ZeRO-1: 12 N + 13 N f)
     assert _plan_for([8.0, 0.2]).choice == "weights"
 
 
@@ -123,11 +134,26 @@ def test_nothing_fits_names_the_rank_its_budget_and_its_need():
 
 def test_a_set_mode_that_does_not_fit_warns_in_the_banner():
     cfg = _cfg("control.memory_target=1.0", "dist.shard=none")
-    p = plan(cfg, [("a", 8 * GIB), ("b", int(0.9 * GIB))], 100_000_000, 0)
+    p = plan(cfg, [("a", 8 * GIB), ("b", int(1.3 * GIB))], 100_000_000, 0)
     lines = p.banner_lines()
     assert lines[0] == "dist.shard=none (data parallel)"
     assert any(line.startswith("warning: rank 1 (b) needs") and line.endswith("auto would choose optimizer")
                for line in lines)
+
+
+def test_data_parallel_that_does_not_fit_is_one_warning_naming_rank_budget_and_bytes():
+    cfg = _cfg("control.memory_target=1.0", "dist.shard=none")
+    p = plan(cfg, [("a", 8 * GIB), ("b", int(1.3 * GIB))], 100_000_000, 0)
+    line = p.unsharded_warning()
+    assert line.startswith("warning: memory plan: rank 1 (b) needs 3.0 GiB under dist.shard=none (data parallel) "
+                           "but its budget is 1.3 GiB (1.3 GiB x memory_target 1); set dist.shard=auto (or "
+                           "optimizer/gradients): auto would choose optimizer (ZeRO-1). Training goes on"), line
+    assert "\n" not in line
+    assert "set dist.shard=optimizer (ZeRO-1): it fits" in p.unsharded_warning(auto=False)  # torch: name the mode
+    assert "lower the micro-batch" in p.unsharded_warning(can_shard=False)
+    assert plan(cfg, [("a", 8 * GIB)] * 2, 100_000_000, 0).unsharded_warning() is None  # it fits
+    tight = plan(cfg, [("a", int(0.05 * GIB))] * 2, 100_000_000, 0)  # nothing fits: shrink instead
+    assert tight.choice is None and "lower the micro-batch" in tight.unsharded_warning()
 
 
 def test_lm_facts_match_the_preset():
@@ -135,15 +161,17 @@ def test_lm_facts_match_the_preset():
     facts = lm_facts(cfg)
     a = resolve(cfg.model)
     assert facts.n_params == param_count(a)
-    # 1b: dim 2048, 22 layers, 8/16 kv heads, ffn 5632 = 20 x dim elements per token per layer in bf16.
-    assert facts.activation_bytes_per_sample == 2048 * (22 * 20 * 2048 * 2 + 12 * a.vocab_size)
+    # 1b: dim 2048, 22 layers, 16 heads, ffn 5632, 2048 tokens: per token 36 x dim outside the blocks, per
+    # block 7 x dim + 5.5 x ffn + (1.15 x 16 + 1) x seq elements in bf16, and 16 bytes x vocab.
+    per_token = 36 * 2048 + 22 * (7 * 2048 + 5.5 * 5632 + (1.15 * 16 + 1) * 2048)
+    assert facts.activation_bytes_per_sample == pytest.approx(2048 * (2 * per_token + 16 * a.vocab_size), rel=1e-6)
     assert lm_facts(load_config(None, ["task.factory=user_tasks:torch_mlp"])) is None
 
 
 def test_grad_checkpointing_shrinks_the_activation_estimate():
-    full = lm_activation_bytes_per_sample(64, 8, 4, 4, 256, 100, 32, "float32")
-    every = lm_activation_bytes_per_sample(64, 8, 4, 4, 256, 100, 32, "float32", grad_checkpoint_every=1)
-    half = lm_activation_bytes_per_sample(64, 8, 4, 4, 256, 100, 32, "float32", grad_checkpoint_every=2)
+    full = lm_activation_bytes_per_sample(64, 8, 4, 256, 100, 32, "float32")
+    every = lm_activation_bytes_per_sample(64, 8, 4, 256, 100, 32, "float32", grad_checkpoint_every=1)
+    half = lm_activation_bytes_per_sample(64, 8, 4, 256, 100, 32, "float32", grad_checkpoint_every=2)
     assert every < half < full
 
 

@@ -4,21 +4,63 @@ Pure arithmetic (no MLX, no torch, no MPI), so `python -m mlxdist.plan` prints i
 training and the trainer resolves `dist.shard=auto` from all-gathered numbers, every rank
 reaching the same choice without another message.
 
-Bytes per rank, N trained parameters, f = the rank's shard fraction (its `shard_sizes[r] / N`):
+The estimate is of a rank's peak in MLX's memory (what the step events' `memory_peak_bytes`
+report and the batch controller holds against the limit). A step has three high points, and
+the estimate is the highest:
 
-    mode         weights                      gradients        AdamW (m, v)
-    none         4N (+ cN)                    4N               8N
-    optimizer    4N (+ cN)                    4N               8N f      (ZeRO-1)
-    gradients    4N (+ cN)                    4N f + bucket    8N f      (ZeRO-2)
-    weights      4N f + c'G                   4N f + 4G        8N f      (ZeRO-3)
+    peak = weights + adamw + max(activations, whole gradients, grads + update)
 
-fp32 master weights and gradients (4 bytes), AdamW's two fp32 moments (8 bytes); c = 2 is the
-bf16/fp16 compute copy the forward pass casts (0 for float32). ZeRO-2 still holds one
-`dist.bucket_mb` bucket of full gradients while it is reduce-scattered. ZeRO-3 gathers one
-unit of G parameters at a time (the built-in LM: one transformer block; a task: its largest
-parameter tensor) in the compute dtype (c' = 2, or 4 for float32), and holds that unit's
-full fp32 gradient until it is reduce-scattered. Activations: micro-batch x bytes per sample
-(`lm_activation_bytes_per_sample`, or what the user measured), the same under every mode.
+N trained parameters, f = the rank's shard fraction (its `shard_sizes[r] / N`), c = 2 the
+bf16/fp16 compute copy the forward pass casts (0 for float32):
+
+    mode         weights       adamw (m, v)   grads (at the update)      update
+    none         (4 + c) N     8 N            4 N  (+ 4 N on 2+ ranks)    12 N
+    optimizer    (4 + c) N     8 N f          4 N + 4 N f                max(17 N f, 4 N + N f)
+    gradients    (4 + c) N     8 N f          4 N f                      max(17 N f, 4 N + N f)
+    weights      4 N f + c'G   8 N f          4 N f + 4 G                17 N f
+
+- backward: the activations it keeps (below); the gradients it makes take their place as it
+  goes, so they do not add (measured: the peak's floor was weights + adamw). It ends holding
+  the whole gradient tree, 4 N, under every mode built: MLX builds it whole, ZeRO-2 lets go
+  of it only while it is reduce-scattered (ZeRO-3 would hold one unit's, 4 G).
+- the update, data parallel: the reducer's summed copy of the gradients beside the engine's
+  (2+ ranks), and the compiled AdamW's new p, m, v beside the old ones (12 N).
+- the update, sharded: the reduced shard g (4 N f; ZeRO-1 still holds the whole tree too),
+  then the shard's weights p (4 N f), the weight-decay mask (1 byte, N f) and the new p, m, v
+  (12 N f) beside the old: 17 N f; then the all-gathered weights are set while the old ones
+  are still held (4 N more, and p and the mask: N f), which is the higher of the two once a
+  rank's shard is under about a quarter.
+- ZeRO-3 (not built) gathers one unit of G parameters at a time (the built-in LM: one
+  transformer block; a task: its largest parameter tensor) in the compute dtype (c' = 2, or 4
+  for float32), and holds that unit's full fp32 gradient until it is reduce-scattered.
+
+Measured (MLX 0.32 on the CPU, `memory_peak_bytes` of steps 2-4; presets tiny, small and base,
+1 to 6 ranks on one host, seq_len 32 to 512, batches 1 to 64): 40 runs, each within 6% of this
+estimate (`python -m mlxdist.bench shard`'s 125M `base` on 2 ranks: data parallel 4012 MB
+measured, 4008 estimated, was 2038 before the update's temporaries were counted; ZeRO-1 2818,
+2818; ZeRO-2 2317, 2317). In units of N, float32: data parallel 28 N on one rank and 32 N on
+two or more; ZeRO-1 8 N + 29 N f; ZeRO-2 4 N + 29 N f; at 6 ranks ZeRO-1 14.2 N and ZeRO-2
+10.2 N (the all-gather's point). bfloat16 (small, 2 checks): within 1% at the update, 4% low
+with large activations.
+
+Not seen by this estimate (it counts MLX's arrays only): numpy buffers outside MLX, which use
+the machine's memory but not Metal's working set: the sharded modes' all-gather buffer (4 N,
+kept between steps), the reduce-scatter's result (4 N f) and one `dist.bucket_mb` send buffer,
+the checkpoint writer's gathered moments (8 N, at a save), the mpi4py ring's buffers; MLX's
+cache of freed buffers (`memory_active_bytes` excludes it, the process's resident size does
+not); the first step's lazily allocated moments; micro-batch accumulation (`train.accum` > 1:
+the summed gradients, 4 N, beside the next micro-batch's backward); and any other engine
+(torch keeps its own allocator and optimizer temporaries).
+
+Activations (the built-in LM, `lm_activation_bytes_per_sample`): per token, in compute-dtype
+elements, ACT_EMBED_ELEMENTS x dim outside the blocks, and per block ACT_DIM_ELEMENTS x dim +
+ACT_FFN_ELEMENTS x ffn_dim + the attention's ACT_SCORE_ELEMENTS x n_heads x seq_len (the
+softmax kept for the backward pass: a seq x seq matrix per head) + seq_len; plus LOGIT_BYTES x
+vocab (fp32 logits, log-softmax and gradients). Fitted to 13 measurements of how the peak
+grows with tokens (MLX's CPU backend, float32; presets tiny and small with dim, ffn_dim,
+n_heads, n_layers, vocab_size and seq_len varied), each within 4%; `base` and a dim-1024
+model, not in the fit, within 3%. Metal's fused attention may keep no seq x seq matrix: there
+the estimate errs high.
 
 Shards are proportional to each rank's budget (`proportional_split` of the N elements by
 memory x memory_target), so a 128 GB Studio holds more of the optimizer state than a 16 GB
@@ -39,36 +81,47 @@ MODE_NAMES = {"none": "data parallel", "optimizer": "ZeRO-1", "gradients": "ZeRO
 COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 2**30
 
-# Activations the built-in LM's backward keeps, in compute-dtype elements per token per layer:
-# dim x (8 + 2 n_kv_heads / n_heads) + 4 ffn_dim. That is the two RMSNorm inputs and outputs
-# and the residual sums (~6 dim), q and the attention output (2 dim; the fused attention keeps
-# no seq x seq matrix), k and v (2 dim x n_kv/n_heads), the SwiGLU's gate, up, silu(gate) and
-# their product (4 ffn_dim). For the 1b preset (ffn 2.75 dim, 8/16 kv heads) that is 20 x dim.
-# Plus the fp32 logits, their log-softmax and its gradient: 12 bytes x vocab per token.
-ACT_DIM_ELEMENTS = 8
-ACT_FFN_ELEMENTS = 4
-LOGIT_BYTES = 12
+# Activations the built-in LM's backward keeps, per token, in compute-dtype elements (fitted:
+# see the module's docstring). Outside the blocks: the embedding's output, the final norm and
+# the tied head's input, with their gradients' buffers (36 x dim, measured). Per block: the
+# norms' inputs and outputs, q, k, v and their rotated copies, the attention output and the
+# residual sums (7 x dim); the SwiGLU's gate, up, sigmoid, silu(gate) and product (5.5 x ffn);
+# the attention's softmax (1.15 x n_heads x seq) and its mask (1 x seq). Then 16 bytes x vocab:
+# the fp32 logits, their log-softmax and its gradient.
+ACT_EMBED_ELEMENTS = 36
+ACT_DIM_ELEMENTS = 7
+ACT_FFN_ELEMENTS = 5.5
+ACT_SCORE_ELEMENTS = 1.15
+ACT_SEQ_ELEMENTS = 1
+LOGIT_BYTES = 16
 
 
 @dataclass(frozen=True)
 class Bytes:
-    """What one rank holds under one mode; `activations` None: not estimated."""
+    """What one rank holds under one mode (see the module's table); `activations` None: not
+    estimated. `gradients` are those held at the update, `update` the update's temporaries,
+    `whole_gradients` what the backward ends holding."""
 
     weights: int
     gradients: int
     optimizer: int
     activations: int | None
+    update: int = 0
+    whole_gradients: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + (self.activations or 0)
+        """The step's peak: the highest of backward's and the update's high points."""
+        return self.weights + self.optimizer + max(self.activations or 0, self.whole_gradients,
+                                                   self.gradients + self.update)
 
 
 def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
              activation_bytes_per_sample: int | None, dtype: str = "float32", *,
-             gather_params: int = 0, bucket_bytes: int = 0) -> Bytes:
+             gather_params: int = 0, ranks: int = 1) -> Bytes:
     """Bytes one rank holds training `n_params` parameters under `mode` (see the module's
-    table), owning `shard_fraction` of every sharded state, at `micro_batch` samples."""
+    table), owning `shard_fraction` of every sharded state, at `micro_batch` samples, in a run
+    of `ranks` ranks (data parallel's reducer keeps a summed copy of the gradients on 2+)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if not 0.0 <= shard_fraction <= 1.0:
@@ -76,17 +129,17 @@ def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
     n, f = n_params, shard_fraction
     compute = COMPUTE_BYTES[dtype]
     copy = 0 if dtype == "float32" else compute
-    sharded = {m: MODES.index(mode) >= MODES.index(m) for m in MODES[1:]}
-    optimizer = math.ceil(8 * n * f) if sharded["optimizer"] else 8 * n
-    if sharded["weights"]:
-        g = min(gather_params, n)
-        weights = math.ceil(4 * n * f) + compute * g
-        gradients = math.ceil(4 * n * f) + 4 * g
-    else:
-        weights = (4 + copy) * n
-        gradients = (math.ceil(4 * n * f) + min(bucket_bytes, 4 * n)) if sharded["gradients"] else 4 * n
+    shard = math.ceil(n * f)  # this rank's elements
     act = None if activation_bytes_per_sample is None else micro_batch * activation_bytes_per_sample
-    return Bytes(weights, gradients, optimizer, act)
+    if mode == "none":
+        return Bytes((4 + copy) * n, 4 * n * (2 if ranks > 1 else 1), 8 * n, act, 12 * n, 4 * n)
+    update = 17 * shard
+    if mode == "weights":
+        g = min(gather_params, n)
+        return Bytes(4 * shard + compute * g, 4 * shard + 4 * g, 8 * shard, act, update, 4 * g)
+    update = max(update, 4 * n + shard)  # the all-gathered weights set beside the old ones
+    gradients = 4 * n + 4 * shard if mode == "optimizer" else 4 * shard
+    return Bytes((4 + copy) * n, gradients, 8 * shard, act, update, 4 * n)
 
 
 def choose_mode(needs: dict[str, Sequence[int]], budgets: Sequence[int]) -> str | None:
@@ -127,17 +180,19 @@ class LMFacts:
     gather_params: int  # one transformer block: ZeRO-3's unit of gathering
 
 
-def lm_activation_bytes_per_sample(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
-                                   vocab_size: int, seq_len: int, dtype: str,
-                                   grad_checkpoint_every: int = 0) -> int:
+def lm_activation_bytes_per_sample(dim: int, n_layers: int, n_heads: int, ffn_dim: int, vocab_size: int,
+                                   seq_len: int, dtype: str, grad_checkpoint_every: int = 0) -> int:
     """Activation bytes one sample of `seq_len` tokens keeps for the backward pass: see
-    ACT_DIM_ELEMENTS. With `model.grad_checkpoint_every=k`, every k-th block (0, k, 2k, ...)
-    keeps only its input and recomputes the rest; one block's full set is live again while it
-    is recomputed."""
-    per_layer = dim * ACT_DIM_ELEMENTS + 2 * dim * n_kv_heads // n_heads + ACT_FFN_ELEMENTS * ffn_dim
+    ACT_DIM_ELEMENTS (k and v, whatever `n_kv_heads`, are within its 7 x dim: no separate term
+    showed in the measurements). With `model.grad_checkpoint_every=k`, every k-th block (0, k,
+    2k, ...) keeps only its input and recomputes the rest; one block's full set is live again
+    while it is recomputed."""
+    per_layer = (ACT_DIM_ELEMENTS * dim + ACT_FFN_ELEMENTS * ffn_dim
+                 + (ACT_SCORE_ELEMENTS * n_heads + ACT_SEQ_ELEMENTS) * seq_len)
     recomputed = len(range(0, n_layers, grad_checkpoint_every)) if grad_checkpoint_every else 0
-    elements = (n_layers - recomputed) * per_layer + recomputed * dim + (per_layer if recomputed else 0)
-    return seq_len * (elements * COMPUTE_BYTES[dtype] + LOGIT_BYTES * vocab_size)
+    elements = (ACT_EMBED_ELEMENTS * dim + (n_layers - recomputed) * per_layer + recomputed * dim
+                + (per_layer if recomputed else 0))
+    return seq_len * (math.ceil(elements * COMPUTE_BYTES[dtype]) + LOGIT_BYTES * vocab_size)
 
 
 def lm_facts(cfg) -> LMFacts | None:
@@ -151,8 +206,8 @@ def lm_facts(cfg) -> LMFacts | None:
     a = resolve(cfg.model)
     hd = a.head_dim
     block = a.dim * a.n_heads * hd * 2 + a.dim * a.n_kv_heads * hd * 2 + 3 * a.dim * a.ffn_dim + 2 * a.dim
-    act = lm_activation_bytes_per_sample(a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size,
-                                         cfg.data.seq_len, cfg.model.dtype, a.grad_checkpoint_every)
+    act = lm_activation_bytes_per_sample(a.dim, a.n_layers, a.n_heads, a.ffn_dim, a.vocab_size, cfg.data.seq_len,
+                                         cfg.model.dtype, a.grad_checkpoint_every)
     return LMFacts(param_count(a), act, max(block, a.vocab_size * a.dim))
 
 
@@ -221,17 +276,37 @@ class Plan:
             lines.append(f"{r.rank:<5}{r.host[:13]:<14}{self._n(r.memory):>8}{r.target:>8.2f}{self._n(r.budget):>8}"
                          f"{r.micro_batch:>7}{100 * f:>7.1f}%")
         lines.append("")
-        lines.append(f"{'dist.shard':<24}{'rank':<5}{'host':<14}{'weights':>8}{'grads':>8}{'adamw':>8}"
-                     f"{'activ.':>8}{'total':>8}{'budget':>8}  fits")
+        lines.append(f"{'dist.shard':<24}{'rank':<5}{'host':<14}{'weights':>8}{'adamw':>8}{'activ.':>8}"
+                     f"{'grads':>8}{'update':>8}{'peak':>8}{'budget':>8}  fits")
         for mode in MODES:
             head = f"{mode} ({MODE_NAMES[mode]})"
             for i, (r, b) in enumerate(zip(self.ranks, self.needs[mode], strict=True)):
                 act = "n/a" if b.activations is None else self._n(b.activations)
                 ok = "yes" if b.total <= r.budget else "NO"
                 lines.append(f"{head if i == 0 else '':<24}{r.rank:<5}{r.host[:13]:<14}{self._n(b.weights):>8}"
-                             f"{self._n(b.gradients):>8}{self._n(b.optimizer):>8}{act:>8}{self._n(b.total):>8}"
-                             f"{self._n(r.budget):>8}  {ok}")
-        return lines + [""] + self.notes + ([self.choice_line()] if choice else [])
+                             f"{self._n(b.optimizer):>8}{act:>8}{self._n(b.gradients):>8}{self._n(b.update):>8}"
+                             f"{self._n(b.total):>8}{self._n(r.budget):>8}  {ok}")
+        key = ("peak = weights + adamw + the highest of: activ. (backward), the whole gradients (4 bytes a "
+               "parameter, backward's end), grads + update (the update's temporaries)")
+        return lines + ["", key] + self.notes + ([self.choice_line()] if choice else [])
+
+    def unsharded_warning(self, can_shard: bool = True, auto: bool = True) -> str | None:
+        """`dist.shard=none` as configured: None when data parallel's plan fits every rank; else
+        one line naming the rank that misses by most, its budget and the plan's bytes, and what
+        to set (`can_shard`: the engine shards, `auto`: and dist.shard=auto picks it there;
+        otherwise the micro-batch or the model)."""
+        problem = self.problem("none")
+        if problem is None:
+            return None
+        if can_shard and self.choice in ("optimizer", "gradients"):
+            fix = (f"set dist.shard=auto (or optimizer/gradients): auto would choose {self.choice} "
+                   f"({MODE_NAMES[self.choice]})" if auto else
+                   f"set dist.shard={self.choice} ({MODE_NAMES[self.choice]}): it fits")
+        else:
+            fix = ("lower the micro-batch (nodes.HOST.batch_size), data.seq_len or the model, or set "
+                   "model.grad_checkpoint_every")
+        return (f"warning: memory plan: {problem}; {fix}. Training goes on: the plan is an estimate "
+                "(python -m mlxdist.plan prints it)")
 
     def banner_lines(self) -> list[str]:
         """The trainer's start lines once `auto` is resolved (or a set mode is checked)."""
@@ -266,10 +341,10 @@ def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: i
         micro = node.batch_size if cfg.nodes else cfg.train.batch_size
         ranks.append(RankMemory(i, host, int(memory), node.memory_target or cfg.control.memory_target, micro))
     budgets = [float(r.memory) * r.target for r in ranks]  # as sync/sharded.py weighs its shard_bounds
-    shard_sizes = proportional_split(n_params, budgets if sum(budgets) > 0 else [1.0] * len(ranks))
-    bucket = int(cfg.dist.bucket_mb * 2**20)
+    equal = getattr(cfg.dist, "shard_split", "memory") == "equal" or sum(budgets) <= 0
+    shard_sizes = proportional_split(n_params, [1.0] * len(ranks) if equal else budgets)
     needs = {m: [estimate(n_params, m, s / n_params, r.micro_batch, act_per_sample, cfg.model.dtype,
-                          gather_params=gather_params, bucket_bytes=bucket)
+                          gather_params=gather_params, ranks=len(ranks))
                  for r, s in zip(ranks, shard_sizes, strict=True)] for m in MODES}
     choice = choose_mode({m: [b.total for b in bs] for m, bs in needs.items()}, [r.budget for r in ranks])
     notes = []

@@ -7,24 +7,38 @@ from ..cluster.world import World
 from ..config import Config
 from ..engine.base import Engine
 
+SHARDED_ENGINES = ("mlx", "torch")  # both shard optimizer state and gradients (engine.shard_ops)
+# Where dist.shard=auto picks a sharded mode. The plan's transients are fitted to MLX's peaks;
+# torch's differ (its AdamW runs per parameter group), so on torch the choice is an estimate's.
+AUTO_ENGINES = ("mlx", "torch")
+
 
 def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], builtin_lm: bool) -> list[str]:
     """With `dist.shard` set: every rank's bytes under each mode against its budget
     (`control/memory_plan.py`, the table `python -m mlxdist.plan` prints); `auto` becomes the
     least sharding that fits every rank, and a run that fits nowhere stops before step 1 with
-    one line. Every rank decides alike from the gathered limits. Returns the banner lines."""
-    if cfg.dist.shard == "none":
-        return []
+    one line. Every rank decides alike from the gathered limits. Returns the banner lines.
+
+    `dist.shard=none` (data parallel) is checked too: where its plan does not fit a rank, one
+    warning line says so and what to set, and the run goes on (the plan is an estimate).
+    DiLoCo (each rank its own model and outer state: another plan) and a rank whose limit is
+    unknown (0) are not checked."""
     from ..control.memory_plan import lm_facts, plan
 
-    facts = lm_facts(cfg) if builtin_lm else None
     limits = world.allgather(int(engine.memory().limit))
-    mp = plan(cfg, list(zip(hosts, limits, strict=True)), int(sum(engine.gradient_sizes())),
+    n_params = int(sum(engine.gradient_sizes()))
+    if cfg.dist.shard == "none" and (cfg.dist.mode == "diloco" or min(limits) <= 0 or n_params < 1):
+        return []
+    facts = lm_facts(cfg) if builtin_lm else None
+    mp = plan(cfg, list(zip(hosts, limits, strict=True)), n_params,
               facts.activation_bytes_per_sample if facts else None, gather_params=facts.gather_params if facts else 0)
+    if cfg.dist.shard == "none":
+        line = mp.unsharded_warning(can_shard=engine.name in SHARDED_ENGINES, auto=engine.name in AUTO_ENGINES)
+        return [line] if line else []
     if cfg.dist.shard == "auto":
         if mp.choice is None:
             raise world.agreed_error(mp.no_fit_line())
-        built = ("none", "optimizer", "gradients") if engine.name == "mlx" else ("none",)
+        built = ("none", "optimizer", "gradients") if engine.name in AUTO_ENGINES else ("none",)
         if mp.choice not in built:
             raise world.agreed_error(f"{mp.choice_line()}; that is not there yet (the {engine.name} engine shards "
                                      f"{' or '.join(built[1:]) or 'nothing yet'}): lower the micro-batches "
@@ -32,3 +46,13 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], b
                                      "model.grad_checkpoint_every")
         cfg.dist.shard = mp.choice
     return mp.banner_lines()
+
+
+def optimizer_state_bytes(engine: Engine, sync, rank: int) -> int | None:
+    """AdamW state (m and v, fp32: 8 bytes a trained parameter) this rank holds: its shard's
+    under `dist.shard` (the strategy's `shard_bytes`), else all of it (data parallel, DiLoCo's
+    inner optimizer, one rank). None for a task's own optimizer: its state is the task's."""
+    if getattr(engine, "own_optimizer", None) not in (None, False):  # MLX: the optimizer or None; torch: a flag
+        return None
+    shard_bytes = getattr(sync, "shard_bytes", None)
+    return int(shard_bytes()[rank]) if shard_bytes is not None else 8 * int(sum(engine.gradient_sizes()))

@@ -53,6 +53,9 @@ class Metrics:
         self.memory_active = gauge("mlxdist_memory_active_bytes", "Memory in use by this rank")
         self.memory_peak = gauge("mlxdist_memory_peak_bytes", "Peak memory of this rank")
         self.memory_limit = gauge("mlxdist_memory_limit_bytes", "Memory limit the controller works against")
+        self.optimizer_state = gauge("mlxdist_optimizer_state_bytes",
+                                     "AdamW state (m and v, fp32) this rank holds: all of it under data parallel, "
+                                     "its shard under dist.shard=optimizer|gradients")
         self.step_seconds = hist("mlxdist_step_seconds", "Wall time of one optimizer step")
         self.sync_seconds = hist("mlxdist_sync_seconds", "Gradient all-reduce time per step")
         self.sync_bytes = counter("mlxdist_sync_bytes", "Gradient bytes this rank sent into all-reduce")
@@ -102,6 +105,8 @@ class Metrics:
             self.eval_loss.set(fields["eval_loss"])
             for name, value in (fields.get("metrics") or {}).items():
                 self.eval_metric.labels(**self.labels, name=name).set(value)
+        elif kind == "shard":  # sync/sharded.py, at every (re)start: this rank's range of the moments
+            self.optimizer_state.set(fields["optimizer_bytes_here"])
         elif kind == "checkpoint":
             self.checkpoint_seconds.observe(fields["seconds"])
         elif kind == "outer_sync":

@@ -34,7 +34,7 @@ from ..markers import RestartCounts, announce_complete
 from ..state import checkpoint as ckpt
 from ..state.checkpointer import Checkpointer, describe, others_in, remove_run
 from ..sync.batchnorm import install_sync_batchnorm
-from ..sync.shard_plan import resolve_shard
+from ..sync.shard_plan import optimizer_state_bytes, resolve_shard
 from ..sync.strategy import SyncStrategy, make_strategy, share_state
 from ..tasks import Batch, Task
 from ..tasks.fingerprint import check_same, fingerprint
@@ -94,6 +94,9 @@ class Trainer:
         self._check_same_base()
         shard_lines = resolve_shard(cfg, w, self.engine, self.hosts, self._builtin_lm)  # dist.shard: auto, fits?
         self.sync: SyncStrategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, w), self.hosts)
+        held = optimizer_state_bytes(self.engine, self.sync, w.rank)
+        if held is not None:
+            metrics.optimizer_state.set(held)
         self.evaluator = Evaluator(self.task, cfg.train, w)
         data = self.task.dataset
         self.feed = StepFeed(BatchMaker(lambda idx: self.task.make_batch(data, idx),
