@@ -37,13 +37,13 @@ per parameter piece, then over ranks in float64.
 
 Memory. ZeRO-1 saves 8 N (1 - f) bytes per rank (f: the rank's fraction) of the 16 N that
 weights, gradients and moments take in data parallel (the all-gather keeps a 4 N buffer, as
-data parallel's reducer keeps its result buffers). ZeRO-2 also lets go of each gradient
-array as soon as its last bucket is sent, so the update and the all-gather run without the
-full gradient (4 N bytes less at that point of the step). Backward still builds the whole
+data parallel's reducer keeps its result buffers). Both let go of the local gradients before
+the update (only the summed shard is needed): ZeRO-1 once the reduce-scatter is done, ZeRO-2
+each array as soon as its last bucket is sent (on one host; the ring sends all at once). Held
+through the update, they cost ZeRO-1 a tenth of its step rate between hosts (the update's and
+the all-gather's fresh buffers could not reuse theirs). Backward still builds the whole
 gradient (`value_and_grad`'s tree; torch's `.grad` of every parameter) before any exchange
-begins; measured (MLX), ZeRO-2's peak was below ZeRO-1's all the same (2317 against 2818 MB
-a rank, `bench shard`), the update's temporaries no longer sitting beside the full gradient.
-Sharding gradients during backward would need per-layer hooks, which MLX has not (torch has
+begins. Sharding gradients during backward would need per-layer hooks, which MLX has not (torch has
 them: not used yet). A torch fp16 run is refused: its GradScaler's scaled gradients would
 need unscaling and overflow skips here too.
 
@@ -191,11 +191,11 @@ class ShardedDataParallel(DataParallel):
             hi = min(self.total, lo + self.bucket)
             yield lo, hi, bucket_counts(self.bounds, lo, hi)
 
-    def _reduce_scatter(self, grads: list) -> np.ndarray:
-        """This rank's range of the sum over ranks of `grads` (engine arrays in name order).
-        ZeRO-2 drops each gradient array once its last element is sent."""
+    def _reduce_scatter(self, grads: list[np.ndarray]) -> np.ndarray:
+        """This rank's range of the sum over ranks of `grads` (flat fp32, in name order).
+        ZeRO-2 drops each gradient once its last element is sent."""
         if self.world.comm is None:
-            parts = [self.ops.flat(i, grads[i])[a:b] for i, _, a, b in self._mine()]
+            parts = [grads[i][a:b] for i, _, a, b in self._mine()]
             return np.concatenate(parts) if parts else np.zeros(0, np.float32)
         if self.ring:
             return self._ring_reduce_scatter(grads)
@@ -209,7 +209,7 @@ class ShardedDataParallel(DataParallel):
             for lo, hi, counts in self._buckets():
                 for i, _, a, b in self._mine(lo, hi):
                     if i not in views:
-                        views[i] = self.ops.flat(i, grads[i])
+                        views[i] = grads[i]
                     at = self.offsets[i] + a - lo
                     send[at:at + b - a] = views[i][a:b]
                     if free and self.offsets[i] + b == self.offsets[i + 1]:
@@ -234,7 +234,7 @@ class ShardedDataParallel(DataParallel):
         """The ring's first half straight from the gradients (no packed copy), each parameter's
         ranges by owner; with `dist.wire_dtype` the gradients go as bf16/fp16 (a half-size copy)
         and each hop's sum is rounded to it, as data parallel's ring does."""
-        srcs = [self.ops.flat(i, g) for i, g in enumerate(grads)]
+        srcs = grads
         if self.wire == "bfloat16":
             srcs = [bf16_bits(x) for x in srcs]
         elif self.wire == "float16":
@@ -287,10 +287,12 @@ class ShardedDataParallel(DataParallel):
     def step(self, engine: Engine, lr: float) -> StepStats:
         self.world.rendezvous("waiting for the other ranks to finish computing")
         local = engine.take_gradients()
+        # Flat numpy before the clock starts: MLX finishes backward here, torch copies off its device.
+        grads = [self.ops.flat(i, g) for i, g in enumerate(local.arrays)]
+        local.arrays = []
         t0 = time.perf_counter()
-        summed = self._reduce_scatter(local.arrays)
-        if self.level == "gradients":
-            local.arrays = []
+        summed = self._reduce_scatter(grads)
+        del grads  # only the summed shard is needed now (ZeRO-2 let each go as it was sent)
         rs_seconds = time.perf_counter() - t0
         loss_sum, count, *metrics = self.world.allreduce_sum([local.loss_sum, local.count,
                                                               *local.metrics.flat(local.count)])
