@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import ROOT, env, mpirun_path
 
-from mlxdist.bench.torchddp import _free_port, rate_bits
+from mlxdist.bench.torchddp import rate_bits
 
 
 def test_rate_bits() -> None:
@@ -20,18 +20,31 @@ def test_rate_bits() -> None:
         rate_bits("1gb")
 
 
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory) -> tuple[dict, str]:
+    """One `bench torchddp` run (ours with and without overlap, DDP, your loop: 2 ranks each),
+    read by both tests below."""
+    mpirun_path()  # skips where there is no mpirun
+    out = tmp_path_factory.mktemp("torchddp") / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "mlxdist.bench", "torchddp", "--preset", "tiny", "--steps", "5",
+                        "--skip", "1", "--json", str(out)], capture_output=True, text=True, env=env(), timeout=600,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(out.read_text()), r.stdout
+
+
 @pytest.mark.cluster
-def test_yourloop_matches_ddp_step_by_step(tmp_path) -> None:
-    mpirun = mpirun_path()
-    steps, out = 3, {}
+def test_yourloop_matches_ddp_step_by_step(bench) -> None:
+    got, steps = bench[0], 5
+    out = got["loops"]
     for loop in ("ddp", "yourloop"):
-        e = env() | {"MLXDIST_DDP_MASTER": f"127.0.0.1:{_free_port()}", "MLXDIST_DDP_OUT": str(tmp_path / loop)}
-        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", "-x",
-               "OPENBLAS_NUM_THREADS", "-x", "MLXDIST_DDP_MASTER", "-x", "MLXDIST_DDP_OUT", sys.executable, "-m",
-               "mlxdist.bench.ddp_worker", "--loop", loop, "--preset", "tiny", "--steps", str(steps)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=e)
-        assert res.returncode == 0, res.stdout + res.stderr
-        out[loop] = json.loads((tmp_path / loop).read_text())
-    for loop in out:
         assert len(out[loop]["step_s"]) == steps and all(t > 0 for t in out[loop]["step_s"])
     assert out["yourloop"]["loss"] == pytest.approx(out["ddp"]["loss"], abs=1e-6)  # measured: equal
+
+
+@pytest.mark.cluster
+def test_bench_torchddp_runs_both_side_by_side(bench) -> None:
+    got, stdout = bench
+    assert got["ddp_step_s"] > 0 and got["ours_step_s"] > 0 and got["sync_bytes"] > 0
+    assert abs(got["ratio_ours_to_ddp"] - got["ours_step_s"] / got["ddp_step_s"]) < 1e-9
+    assert "ours / DDP = " in stdout

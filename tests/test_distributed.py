@@ -26,11 +26,18 @@ pytestmark = pytest.mark.cluster
 EXACT = [*FAST, "train.lr=2e-4", "train.grad_clip=0", "checkpoint.every=0", "dist.sync_weights_every=0"]
 
 
-@pytest.mark.parametrize("backend", ["mpi4py", "mlx-mpi", "mlx-ring"])
-def test_unequal_batches_equal_single_process(tmp_path, backend):
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    r = run_train([*EXACT, "train.steps=6", "train.batch_size=8", f"train.out_dir={single}"])
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One process with the global batch of 8, 6 steps: the reference for every backend below."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    r = run_train([*EXACT, "train.steps=6", "train.batch_size=8", f"train.out_dir={out}"])
     assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize("backend", ["mpi4py", "mlx-mpi", "mlx-ring"])
+def test_unequal_batches_equal_single_process(tmp_path, single, backend):
+    multi = tmp_path / "multi"
     r = run_train([*EXACT, "train.steps=6", f"train.out_dir={multi}", f"dist.backend={backend}",
                    "nodes={rank0: {batch_size: 3}, rank1: {batch_size: 5}}"], np_=2)
     assert r.returncode == 0, r.stderr

@@ -5,11 +5,15 @@ errors (exit 2) for what the user must fix. The run's checkpoints are only read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -41,9 +45,24 @@ def _train(run: Path, *args: str) -> Path:
     return run
 
 
-def export(run: Path, out: Path, *args: str, cwd: Path = HERE, extra_env: dict | None = None):
-    return subprocess.run([sys.executable, "-m", "mlxdist.export", str(run), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=300, cwd=cwd, env=env() | (extra_env or {}))
+def export(run: Path, out: Path, *args: str, cwd: Path = HERE, extra_env: dict | None = None, cli: bool = False):
+    """`python -m mlxdist.export RUN --out OUT ARGS` from `cwd`: the real command line when `cli`,
+    else its `main` in this process (the same code, without a fresh interpreter's torch import
+    per call; the task's module is read from `cwd` either way)."""
+    argv = [str(run), "--out", str(out), *args]
+    if cli:
+        return subprocess.run([sys.executable, "-m", "mlxdist.export", *argv], capture_output=True, text=True,
+                              timeout=300, cwd=cwd, env=env() | (extra_env or {}))
+    from mlxdist import export as cli_module
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), mock.patch.dict(os.environ, extra_env or {}), \
+            contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = cli_module.main(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
 
 
 def _digests(run: Path) -> dict[str, str]:
@@ -89,7 +108,7 @@ def test_torch_whole_state_loads_strictly_into_the_users_class(torch_run, tmp_pa
 
     before = _digests(torch_run)
     out = tmp_path / "out"
-    r = export(torch_run, out)
+    r = export(torch_run, out, cli=True)  # the real command line, once
     assert r.returncode == 0, r.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "README.txt"}
     assert "load_state_dict" in r.stdout and "strict=True" in (out / "README.txt").read_text()
@@ -258,7 +277,8 @@ def test_no_checkpoint(tmp_path):
 
 
 def test_factory_not_importable_says_where_to_run_from(torch_run, tmp_path):
-    line = _one_error(export(torch_run, tmp_path / "out", cwd=tmp_path), "export_tasks")
+    # A fresh process: this one has imported export_tasks already.
+    line = _one_error(export(torch_run, tmp_path / "out", cwd=tmp_path, cli=True), "export_tasks")
     assert "run from the directory that holds export_tasks.py" in line
     assert not (tmp_path / "out").exists()
 

@@ -2,6 +2,7 @@
 mpirun with unequal batches, masked instruction data, resume, the base fingerprint."""
 
 import json
+import shutil
 
 import pytest
 from helpers import FAST, assert_same_weights, final_weights, run_train
@@ -56,24 +57,34 @@ def test_unequal_batches_with_masked_prompts_equal_one_process(tmp_path, base, d
     assert_same_weights(a, b, atol=1e-5)
 
 
-def test_lora_resume_equals_no_interruption_and_writes_a_peft_adapter(tmp_path, base, data):
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    ft = ["finetune.method=lora", "train.batch_size=4"]
-    assert run_train(_args(base, data, whole, *ft, "train.steps=6")).returncode == 0
-    assert run_train(_args(base, data, parts, *ft, "train.steps=3")).returncode == 0
-    r = run_train(_args(base, data, parts, *ft, "train.steps=6", "--resume", "auto"))
+LORA = ["finetune.method=lora", "train.batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, base, data):
+    """A LoRA run of 6 steps: the uninterrupted run of the resume test, and the run the test
+    after it tries to resume on another base."""
+    run = tmp_path_factory.mktemp("lora") / "whole"
+    r = run_train(_args(base, data, run, *LORA, "train.steps=6"))
+    assert r.returncode == 0, r.stderr
+    return run
+
+
+def test_lora_resume_equals_no_interruption_and_writes_a_peft_adapter(tmp_path, base, data, lora_run):
+    whole, parts = lora_run, tmp_path / "parts"
+    assert run_train(_args(base, data, parts, *LORA, "train.steps=3")).returncode == 0
+    r = run_train(_args(base, data, parts, *LORA, "train.steps=6", "--resume", "auto"))
     assert r.returncode == 0, r.stderr
     assert_same_weights(final_weights(whole), final_weights(parts), atol=1e-6)
     adapter = parts / "adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
 
 
-def test_resume_on_another_base_names_the_file(tmp_path, base, data):
+def test_resume_on_another_base_names_the_file(tmp_path, data, lora_run):
     run = tmp_path / "run"
-    ft = ["finetune.method=lora", "train.batch_size=4"]
-    assert run_train(_args(base, data, run, *ft, "train.steps=2")).returncode == 0
+    shutil.copytree(lora_run, run)  # a LoRA run's checkpoint, in a directory of this test's own
     other = make_llama(tmp_path / "other", seed=1)
-    r = run_train(_args(other, data, run, *ft, "train.steps=4", "--resume", "auto"))
+    r = run_train(_args(other, data, run, *LORA, "train.steps=8", "--resume", "auto"))
     assert r.returncode == 2
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: checkpoint ") and "model.safetensors" in last and "Traceback" not in r.stderr

@@ -11,6 +11,7 @@ import io
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from helpers import FAST, env, run_train
@@ -26,18 +27,24 @@ def _run(*args: str, module: str = "mlxdist.generate") -> subprocess.CompletedPr
                           env=env() | {"DISABLE_COMPILE": "1"}, timeout=300)
 
 
-def _main(*args: str) -> subprocess.CompletedProcess:
-    """`python -m mlxdist.generate ARGS` in this process: the same `main`, without paying a
-    fresh interpreter's torch/transformers/MLX imports per call (one test keeps the real
-    command line). MLX is imported first, so `main` never re-execs pytest for the BLAS."""
+def _main(*args: str, module: str = "mlxdist.generate") -> subprocess.CompletedProcess:
+    """`python -m mlxdist.generate ARGS` (or `mlxdist.export`, or mlx-lm's `generate`) in this
+    process: the same `main`, without paying a fresh interpreter's torch/transformers/MLX
+    imports per call (one test keeps our real command line). MLX is imported first, so `main`
+    never re-execs pytest for the BLAS."""
+    import importlib
+
     import mlx.core  # noqa: F401
 
-    from mlxdist import generate
-
+    main = importlib.import_module(module).main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = generate.main(list(args))
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+        if module == "mlx_lm.generate":  # its main reads sys.argv
+            with mock.patch.object(sys, "argv", [module, *args]):
+                code = main()
+        else:
+            code = main(list(args))
+    return subprocess.CompletedProcess(args, code or 0, out.getvalue(), err.getvalue())
 
 
 def _generate(*args: str) -> str:
@@ -47,7 +54,8 @@ def _generate(*args: str) -> str:
 
 
 def _mlx_lm(*args: str) -> str:
-    r = _run(*args, "--verbose", "False", module="mlx_lm generate")
+    """`python -m mlx_lm generate ARGS` (its `main`, in this process)."""
+    r = _main(*args, "--verbose", "False", module="mlx_lm.generate")
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -74,8 +82,8 @@ def tiny(tmp_path_factory):
                    "train.batch_size=4", f"train.out_dir={full}"])
     assert r.returncode == 0, r.stderr
     for fmt in ("mlx-lm", "fused"):
-        r = _run("--base", str(base), "--adapter", str(run / "adapter"), "--format", fmt, "--out", str(d / fmt),
-                 module="mlxdist.export")
+        r = _main("--base", str(base), "--adapter", str(run / "adapter"), "--format", fmt, "--out", str(d / fmt),
+                  module="mlxdist.export")
         assert r.returncode == 0, r.stderr
     return {"base": base, "run": run, "adapter": run / "adapter", "mlx_adapter": d / "mlx-lm", "fused": d / "fused",
             "full": full}

@@ -31,14 +31,31 @@ def _files(run: Path, step: int) -> tuple[dict, dict]:
     return load_file(d / "model.safetensors"), load_file(d / "optimizer.safetensors")
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Per engine, one process with the global batch of 8 for 6 steps and a checkpoint every 3:
+    the 3+5 test's one process and the resume test's uninterrupted run (a checkpoint changes
+    nothing about the training), launched once for both."""
+    runs: dict[str, tuple[Path, str]] = {}
+
+    def run(engine: str) -> tuple[Path, str]:
+        if engine not in runs:
+            out = tmp_path_factory.mktemp(f"one-{engine}")
+            r = _train([*TASKS[engine], "train.batch_size=8", "checkpoint.every=3", "train.steps=6",
+                        f"train.out_dir={out}"])
+            runs[engine] = out, r.stderr
+        return runs[engine]
+
+    return run
+
+
 @pytest.mark.cluster
 @pytest.mark.parametrize("engine", ["torch", "mlx"])
-def test_own_optimizer_3_plus_5_equals_8(tmp_path, engine):
-    args = [*TASKS[engine], "train.steps=6", "checkpoint.every=6"]
-    one = _train([*args, "train.batch_size=8", f"train.out_dir={tmp_path / 'one'}"])
-    _train([*args, SPLIT, f"train.out_dir={tmp_path / 'two'}"], np_=2)
-    assert "(the task's)" in one.stderr, one.stderr[-2000:]
-    (w1, o1), (w2, o2) = _files(tmp_path / "one", 6), _files(tmp_path / "two", 6)
+def test_own_optimizer_3_plus_5_equals_8(tmp_path, one_process, engine):
+    one, stderr = one_process(engine)
+    _train([*TASKS[engine], "train.steps=6", "checkpoint.every=6", SPLIT, f"train.out_dir={tmp_path / 'two'}"], np_=2)
+    assert "(the task's)" in stderr, stderr[-2000:]
+    (w1, o1), (w2, o2) = _files(one, 6), _files(tmp_path / "two", 6)
     assert o1.keys() == o2.keys() and any(k.endswith(("momentum_buffer", ".v")) for k in o1), o1.keys()
     for k in w1:
         np.testing.assert_allclose(w2[k], w1[k], atol=1e-5, err_msg=k)
@@ -47,12 +64,12 @@ def test_own_optimizer_3_plus_5_equals_8(tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ["torch", "mlx"])
-def test_own_optimizer_resumes_exactly(tmp_path, engine):
+def test_own_optimizer_resumes_exactly(tmp_path, one_process, engine):
     args = [*TASKS[engine], "train.batch_size=8", "checkpoint.every=3"]
-    _train([*args, "train.steps=6", f"train.out_dir={tmp_path / 'whole'}"])
+    whole, _ = one_process(engine)
     _train([*args, "train.steps=3", f"train.out_dir={tmp_path / 'parts'}"])
     _train([*args, "train.steps=6", f"train.out_dir={tmp_path / 'parts'}", "--resume", "auto"])
-    (w1, o1), (w2, o2) = _files(tmp_path / "whole", 6), _files(tmp_path / "parts", 6)
+    (w1, o1), (w2, o2) = _files(whole, 6), _files(tmp_path / "parts", 6)
     for k in w1:
         np.testing.assert_allclose(w2[k], w1[k], atol=1e-6, err_msg=k)
     assert o1.keys() == o2.keys()

@@ -7,7 +7,9 @@ per module. Max logit differences are printed (run with -s to see them).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import shutil
 import subprocess
@@ -209,9 +211,14 @@ def test_tokenizer_and_prepare_with_model_tokenizer(tiny, tmp_path):
     assert tok.eos_ids[0] == tok.eos and tok.vocab_size == 289
     docs = tmp_path / "docs.jsonl"
     docs.write_text("\n".join(json.dumps({"text": t}) for t in ("the quick dog", "a brown fox")) + "\n")
-    out = subprocess.run([sys.executable, "-m", "mlxdist.prepare", str(docs), "--out", str(tmp_path / "sh"),
-                          "--tokenizer", str(d)], capture_output=True, text=True, env=env(), timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
+    # `python -m mlxdist.prepare ...`'s main in this process (transformers is loaded already);
+    # the command line itself runs just below.
+    from mlxdist import prepare
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = prepare.main([str(docs), "--out", str(tmp_path / "sh"), "--tokenizer", str(d)])
+    assert code == 0, err.getvalue()
     index = json.loads((tmp_path / "sh" / "shards.json").read_text())
     tokens = np.fromfile(tmp_path / "sh" / index["shards"][0]["file"], dtype=index["dtype"]).tolist()
     assert index["vocab_size"] == 289

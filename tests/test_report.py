@@ -7,6 +7,8 @@ event field breaks this test rather than a user's post-mortem.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -24,9 +26,19 @@ PLOTS = ("loss.png", "throughput.png", "shares.png", "timing.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxdist.report", *map(str, args)],
-                          capture_output=True, text=True, timeout=120, env=env())
+def report(*args: str, cli: bool = False) -> subprocess.CompletedProcess:
+    """`python -m mlxdist.report ARGS`: the real command line when `cli`, else its `main` in this
+    process (the same code, without a fresh interpreter's numpy/matplotlib imports per call)."""
+    argv = list(map(str, args))
+    if cli:
+        return subprocess.run([sys.executable, "-m", "mlxdist.report", *argv], capture_output=True, text=True,
+                              timeout=120, env=env())
+    from mlxdist.report import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +63,7 @@ def assert_png(path: Path) -> None:
 def test_report_on_real_run(run_dir, tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "rep"
-    r = report(run_dir, "--out", out)
+    r = report(run_dir, "--out", out, cli=True)  # the real command line, once
     assert r.returncode == 0, r.stderr
     for name in PLOTS:
         assert_png(out / name)

@@ -38,17 +38,33 @@ def split(tmp_path) -> Path:
     return path
 
 
-@pytest.mark.cluster
-@pytest.mark.parametrize("mode", ["backward", "step", "accum"])
-def test_a_torch_loop_on_3_plus_5_ranks_equals_one_process_with_8(tmp_path, split, mode):
-    one = _run("torch_loop.py", [tmp_path / "one.npz", "--mode", mode, "--seed-by-rank"])
+MODES = ["backward", "step", "accum"]
+
+
+@pytest.fixture(scope="module")
+def torch_loops(tmp_path_factory) -> Path:
+    """torch_loop.py in every mode, each from scratch: one process with 8, then 2 ranks with 3+5;
+    one launch each (the same weights, bit for bit, as a launch per mode)."""
+    d = tmp_path_factory.mktemp("torch-loop")
+    (d / "split.yaml").write_text(SPLIT)
+    modes = ["--mode", ",".join(MODES), "--seed-by-rank"]
+    one = _run("torch_loop.py", [d / "one", *modes])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = _run("torch_loop.py", [tmp_path / "two.npz", "--config", split, "--mode", mode, "--seed-by-rank"], np_=2)
+    two = _run("torch_loop.py", [d / "two", "--config", d / "split.yaml", *modes], np_=2)
     assert two.returncode == 0, two.stderr[-2000:]
-    assert "rank 0: done after 4 steps, batch 3" in two.stderr and "rank 1: done after 4 steps, batch 5" in two.stderr
-    assert _worst(tmp_path / "one.npz", tmp_path / "two.npz") < 1e-5
-    assert float(np.load(tmp_path / "one.npz")["loss"]) == pytest.approx(float(np.load(tmp_path / "two.npz")["loss"]),
-                                                                         abs=1e-5)
+    (d / "two.log").write_text(two.stderr)
+    return d
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("mode", MODES)
+def test_a_torch_loop_on_3_plus_5_ranks_equals_one_process_with_8(torch_loops, mode):
+    one, two = torch_loops / f"one-{mode}.npz", torch_loops / f"two-{mode}.npz"
+    log = (torch_loops / "two.log").read_text()  # each mode ends with its line on each rank
+    assert log.count("rank 0: done after 4 steps, batch 3") == log.count("rank 1: done after 4 steps, batch 5") \
+        == len(MODES), log[-2000:]
+    assert _worst(one, two) < 1e-5
+    assert float(np.load(one)["loss"]) == pytest.approx(float(np.load(two)["loss"]), abs=1e-5)
 
 
 @pytest.mark.cluster
@@ -149,13 +165,13 @@ def test_a_transformers_resnet_with_batchnorm_in_a_plain_loop_keeps_3_plus_5_equ
     """BatchNorm couples a batch's samples: with md.sync_batchnorm the statistics are the whole
     cluster's, so weights and running statistics match one process; without, they do not."""
     assert _run("resnet_loop.py", [tmp_path / "one.npz"]).returncode == 0
-    for name, extra in (("two", []), ("plain", ["--no-sync-bn"])):
-        r = _run("resnet_loop.py", [tmp_path / f"{name}.npz", "--config", split, *extra], np_=2)
-        assert r.returncode == 0, r.stderr[-2000:]
+    # With and without md.sync_batchnorm, each from scratch: one launch of 2 ranks.
+    r = _run("resnet_loop.py", [tmp_path / "two", "--config", split, "--bn", "sync,plain"], np_=2)
+    assert r.returncode == 0, r.stderr[-2000:]
     one = np.load(tmp_path / "one.npz")
     assert any("running_mean" in k and np.abs(one[k]).max() > 1e-3 for k in one.files)
-    assert _worst(tmp_path / "one.npz", tmp_path / "two.npz") < 1e-5
-    assert _worst(tmp_path / "one.npz", tmp_path / "plain.npz") > 1e-3
+    assert _worst(tmp_path / "one.npz", tmp_path / "two-sync.npz") < 1e-5
+    assert _worst(tmp_path / "one.npz", tmp_path / "two-plain.npz") > 1e-3
 
 
 def test_a_loop_s_ranks_serve_prometheus_metrics(tmp_path):

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                "ratio_ours_to_ddp": ours_s / ddp_s, "sync_s_no_overlap": sync_s, "sync_bytes": nbytes,
                "early_buckets": med([e.get("sync_overlapped", 0) for e in ours]),
                "yourloop_step_s": yours_s, "ratio_yourloop_to_ddp": yours_s / ddp_s,
-               "yourloop_ddp_max_loss_diff": loss_diff}
+               "yourloop_ddp_max_loss_diff": loss_diff,
+               "loops": {"ddp": ddp, "yourloop": yours}}  # each plain loop's step times and losses, step by step
     print(f"{n} ranks{' on ' + str(n) + ' hosts at ' + args.rate if args.simcluster else ' on one host'}, "
           f"model {args.preset}, {args.batch} x {args.seq_len} tokens per rank per step, median of steps "
           f"{args.skip + 1}-{args.steps}")
