@@ -177,6 +177,12 @@ def _segments(lo: int, hi: int, seg_elems: int) -> list[tuple[int, int]]:
     return [(x, min(x + seg_elems, hi)) for x in range(lo, hi, seg_elems)]
 
 
+def _tags(owners: list[Ranges], n: int, seg_elems: int):
+    """A message's tag from (step, array, segment): unique within one collective."""
+    per = max([len(_segments(*r[o], seg_elems)) for r in owners for o in range(n)] + [1])
+    return lambda s, a, k: (s * len(owners) + a) * per + k
+
+
 def ring_reduce_scatter(comm, srcs: list[np.ndarray], owners: list[Ranges], out: np.ndarray,
                         segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
     """Sum `srcs` (flat arrays, same on every rank) over the ranks of `comm`, each rank
@@ -198,7 +204,7 @@ def ring_reduce_scatter(comm, srcs: list[np.ndarray], owners: list[Ranges], out:
     pool: list[np.ndarray] = []
     dtype = srcs[0].dtype if srcs else np.float32
     seg_elems = max(1, segment_bytes // np.dtype(dtype).itemsize)
-    per = max([len(_segments(*r[o], seg_elems)) for r in owners for o in range(n)] + [1])
+    tag = _tags(owners, n, seg_elems)
     at, start = 0, []
     for r in owners:
         start.append(at)
@@ -209,9 +215,6 @@ def ring_reduce_scatter(comm, srcs: list[np.ndarray], owners: list[Ranges], out:
         for a, r in enumerate(owners):
             out[start[a]:start[a] + r[0][1] - r[0][0]] = srcs[a][r[0][0]:r[0][1]]
         return
-
-    def tag(s: int, a: int, k: int) -> int:
-        return (s * len(srcs) + a) * per + k
 
     def from_pool() -> np.ndarray:
         return pool.pop() if pool else np.empty(seg_elems, dtype)
@@ -254,10 +257,7 @@ def ring_allgather(comm, outs: list[np.ndarray], owners: list[Ranges],
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     pump = _Pump(comm, window)
     seg_elems = max(1, segment_bytes // outs[0].itemsize) if outs else 1
-    per = max([len(_segments(*r[o], seg_elems)) for r in owners for o in range(n)] + [1])
-
-    def tag(t: int, a: int, k: int) -> int:
-        return (t * len(outs) + a) * per + k
+    tag = _tags(owners, n, seg_elems)
 
     def forward(t: int, a: int, k: int):
         return lambda part: pump.send_queue.append((part, nxt, tag(t + 1, a, k), None))
