@@ -417,3 +417,33 @@ def reads_seq_len() -> mlxdist.Task:
     task = mlx_mlp()
     task.config_keys = ("data.seq_len",)
     return task
+
+
+def mlx_staged_mlp(n: int = 256) -> mlxdist.Task:
+    """A user's MLX model that offers `stages()` (what `dist.shard=weights` runs it by): three
+    layers, each a stage with its weight and bias."""
+
+    def build(ctx):
+        import mlx.nn as nn
+
+        class Staged(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inp, self.mid, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+            def __call__(self, x):
+                for _, run in self.stages():
+                    x = run(x)
+                return x
+
+            def stages(self):
+                return [(["inp.weight", "inp.bias"], lambda x: nn.relu(self.inp(x))),
+                        (["mid.weight", "mid.bias"], lambda h: nn.relu(self.mid(h))),
+                        (["out.weight", "out.bias"], self.out)]
+
+        return Staged()
+
+    def loss(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).sum()
+
+    return mlxdist.Task(build=build, loss=loss, dataset=Regression(n), eval_dataset=Regression(64, seed=1))

@@ -43,6 +43,7 @@ class StepStats:
     sync_seconds: float = 0.0
     sync_bytes: int = 0
     sync_overlapped: int = 0  # gradient buckets sent while backward still ran
+    compute_seconds: float = 0.0  # forward/backward the strategy ran in its step (ZeRO-3's stages)
     local: bool = False  # loss, tokens and norm are this rank's own (no exchange this step)
     why_skipped: str = "non-finite loss/gradients"
     metrics: dict[str, float] = field(default_factory=dict)  # the task's, per unit (or per its count)
@@ -101,6 +102,31 @@ class ShardOps(Protocol):
     def drop_moments(self, step: int) -> None:
         """Let go of the engine's own AdamW moments (the shards hold them) and keep `step` as
         its update count; `set_optimizer_state` brings them back (checkpoints, drift repair)."""
+
+
+class StagedOps(ShardOps, Protocol):
+    """What ZeRO-3 (`sync/fully_sharded.py`) needs besides: the model run stage by stage
+    (`model.stages()`), its micro-batches held for the step, its weights let go of."""
+
+    def stage_names(self) -> list[list[str]] | None:
+        """Each stage's parameter names, in order; None: the model has no `stages()`."""
+
+    def hold_batches(self) -> None:
+        """From now on `micro_step` keeps its batch for the strategy's step, computing nothing."""
+
+    def held_batches(self) -> list[Batch]:
+        """The batches held since the last call."""
+
+    def staged(self, batch: Batch, fetch: Callable[[int], list], hand: Callable[[int, list], None]) -> None:
+        """Forward and backward of `batch` a stage at a time: `fetch(i)` gives stage i's weights,
+        `hand(i, grads)` takes its gradients (last stage first)."""
+
+    def totals(self) -> LocalGradients:
+        """Loss, units and metrics of the batches run since the last call (no gradients)."""
+
+    def release(self) -> None:
+        """Let go of the whole weights (lazy stand-ins; reading them is an error until the
+        engine is given weights again)."""
 
 
 class Engine(Protocol):

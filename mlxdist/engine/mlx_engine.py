@@ -81,6 +81,8 @@ class MLXEngine:
         self._reset_accumulators()
         self._touched: set[str] = set()
         self.mark_state()
+        self._held: list | None = None  # dist.shard=weights: micro-batches wait for the strategy's step
+        self.released = False  # dist.shard=weights: the strategy holds the weights, in shards
 
     def _make_optimizer(self, task: Task):
         """The task's own `mlx.optimizers.Optimizer`, initialised on the trained parameters,
@@ -114,7 +116,10 @@ class MLXEngine:
         if self.compute_dtype != mx.float32:
             params = {k: v.astype(self.compute_dtype) for k, v in params.items()}
         self.model.update(tree_unflatten(list(params.items())))
-        loss, metrics = split_loss(self.task_loss(self.model, batch), self.task_name)
+        return self._loss_of(self.model, batch)
+
+    def _loss_of(self, model, batch) -> tuple[mx.array, dict, dict]:
+        loss, metrics = split_loss(self.task_loss(model, batch), self.task_name)
         # The metrics ride along as auxiliary outputs (value_and_grad differentiates the first).
         totals = {n: mx.array(t, mx.float32) for n, (t, _) in metrics.items()}
         counts = {n: mx.array(c, mx.float32) for n, (_, c) in metrics.items() if c is not None}
@@ -140,6 +145,9 @@ class MLXEngine:
 
     def micro_step(self, batch) -> None:
         batch = as_batch(batch)
+        if self._held is not None:
+            self._held.append(batch)
+            return
         with sample_seeds_of(batch):
             (loss, totals, counts), grads = self._value_and_grad(self.params, self._arrays(batch.data))
         if self._grads is None:
@@ -195,8 +203,85 @@ class MLXEngine:
 
     def discard_gradients(self) -> None:
         self._reset_accumulators()
+        if self._held is not None:
+            self._held = []
+
+    # -- dist.shard=weights: the model stage by stage ------------------------------
+    def staged_step(self, batch, fetch: Callable[[int], list], hand: Callable[[int, list], None]) -> None:
+        """One micro-batch's forward and backward through `model.stages()`, one stage's weights
+        at a time: `fetch(i)` gives stage i's fp32 weights (in its names' order), `hand(i,
+        grads)` takes their gradients, last stage first. Only the stages' inputs are kept: each
+        block runs forward again inside its backward, as `model.grad_checkpoint_every=1` does.
+        Loss, units and metrics add up as `micro_step`'s do."""
+        stages = self.model.stages()
+        data = self._arrays(batch.data)
+        with sample_seeds_of(batch):
+            inputs = [_model_input(self.task_loss, self.model, data, self.task_name)]
+            for i, (names, run) in enumerate(stages[:-1]):
+                inputs.append(self._stage(names, run, fetch(i), inputs[-1]))
+                mx.eval(inputs[-1])
+                self._let_go(names)
+            names, run = stages[-1]
+            last = len(stages) - 1
+
+            def tail(weights, h):
+                return self._loss_of(_Output(self.model, self._stage(names, run, weights, h)), data)
+
+            (loss, totals, counts), (grads, back) = mx.value_and_grad(tail, argnums=(0, 1))(fetch(last), inputs.pop())
+            mx.eval(loss, totals, counts, grads, back)
+            self._let_go(names)
+            hand(last, grads)
+            for i in reversed(range(last)):
+                names, run = stages[i]
+                x = inputs.pop()
+                floating = mx.issubdtype(x.dtype, mx.floating)
+                weights = fetch(i)
+
+                def f(*args, names=names, run=run, x=x, n=len(weights), floating=floating):
+                    return self._stage(names, run, list(args[:n]), args[n] if floating else x)
+
+                _, grads = mx.vjp(f, weights + ([x] if floating else []), [back])
+                mx.eval(grads)
+                self._let_go(names)
+                del weights
+                hand(i, grads[:len(names)])
+                back = grads[len(names)] if floating else None
+        self._loss_sum = self._loss_sum + loss
+        self._tokens += batch.count
+        mx.eval(self._loss_sum)
+        self._metrics.add(_pairs(totals, counts), _item)
+
+    def _stage(self, names: list[str], run, weights: list, x):
+        if self.compute_dtype != mx.float32:
+            weights = [w.astype(self.compute_dtype) for w in weights]
+        self.model.update(tree_unflatten(list(zip(names, weights, strict=True))))
+        return run(x)
+
+    def _let_go(self, names: list[str]) -> None:
+        """The module lets go of a stage's gathered weights (it keeps what it was last given)."""
+        self.model.update(tree_unflatten([(n, _NOTHING) for n in names]))
+
+    def hold_batches(self) -> None:
+        self._held = []
+
+    def held_batches(self) -> list:
+        held, self._held = self._held, []
+        return held
+
+    def release_weights(self) -> None:
+        """The strategy holds the weights in shards now: lazy zeros stand in (no memory), and
+        anything that would read them says so instead (`_whole`)."""
+        self.params = {n: mx.zeros(self.params[n].shape, mx.float32) for n in self.names}
+        self._let_go(self.names)
+        self.released = True
+
+    def _whole(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{what}: the weights are in shards (dist.shard=weights); the strategy gathers "
+                               "them first (SyncStrategy.whole_model)")
 
     def eval_loss(self, batch, metrics: MetricSums | None = None) -> tuple[float, int]:
+        self._whole("eval_loss")
         batch = as_batch(batch)
         self.model.eval()
         try:
@@ -210,6 +295,7 @@ class MLXEngine:
         return loss.item(), batch.count
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
+        self._whole("logits")
         return np.array(self._forward(self.params, mx.array(tokens)))
 
     def sample(self, prompt: list[int], max_new: int, temperature: float = 0.8, seed: int = 0,
@@ -224,12 +310,14 @@ class MLXEngine:
         return [self.params[n].size for n in self.names]
 
     def get_weights(self) -> dict[str, np.ndarray]:
+        self._whole("get_weights")
         return {k: np.array(v) for k, v in self.params.items()}
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         check_weights({n: tuple(self.params[n].shape) for n in self.names}, weights)
         self.params = {n: mx.array(np.asarray(weights[n], np.float32)) for n in self.names}
         mx.eval(self.params)
+        self.released = False
 
     def get_optimizer_state(self) -> tuple[dict[str, np.ndarray], int]:
         if self.own_optimizer is not None:  # the task's own: its state tree, flattened
@@ -252,6 +340,7 @@ class MLXEngine:
         return MLXShardOps(self)
 
     def weight_checksum(self) -> int:
+        self._whole("weight_checksum")
         return checksum(np.array(self.params[n]) for n in self.names)
 
     # -- the rest of the model's state: a task's non-trainable parameters (BatchNorm's
@@ -328,6 +417,51 @@ class MLXEngine:
                 f"{self._limit()[1]}{opt}")
 
 
+_NOTHING = mx.zeros((0,), mx.float32)
+
+
+class _Input(Exception):
+    def __init__(self, x):
+        self.x = x
+
+
+class _Inputs:
+    """Stands in for the model while the task's loss is run to see what it calls the model
+    with (the first stage's input); the call goes no further."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __call__(self, x, *args, **kwargs):
+        if args or kwargs:
+            raise TaskError("dist.shard=weights: the task's loss calls the model with more than one input; a "
+                            "staged run feeds the first stage one array")
+        raise _Input(x)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class _Output(_Inputs):
+    """Stands in for the model in the task's loss: its call returns the last stage's output."""
+
+    def __init__(self, model, out):
+        super().__init__(model)
+        self._out = out
+
+    def __call__(self, *args, **kwargs):
+        return self._out
+
+
+def _model_input(loss: Callable, model, data, task: str):
+    try:
+        loss(_Inputs(model), data)
+    except _Input as got:
+        return got.x
+    raise TaskError(f"task {task}: dist.shard=weights runs the model stage by stage, but its loss never calls the "
+                    "model; use dist.shard=gradients")
+
+
 class MLXShardOps:
     """`engine.base.ShardOps` for the MLX engine, whose layout is checkpoint layout. The update
     is `adamw` above, compiled once for a flat shard, its decay a mask over the shard's pieces."""
@@ -375,6 +509,31 @@ class MLXShardOps:
         p, m, v = self._update(p, m, v, g, self._decay(pieces), scalars)
         mx.eval(p, m, v)
         return p, m, v
+
+    # -- ZeRO-3 (`sync/fully_sharded.py`): the model stage by stage ------------------
+    def stage_names(self) -> list[list[str]] | None:
+        """Each stage's parameters in `model.stages()`' order, or None for a model without stages."""
+        stages = getattr(self.engine.model, "stages", None)
+        return None if stages is None else [list(names) for names, _ in stages()]
+
+    def hold_batches(self) -> None:
+        self.engine.hold_batches()
+
+    def held_batches(self) -> list:
+        return self.engine.held_batches()
+
+    def staged(self, batch, fetch, hand) -> None:
+        self.engine.staged_step(batch, fetch, hand)
+
+    def totals(self) -> LocalGradients:
+        """The step's loss, units and metrics (its gradients went to `hand`)."""
+        e = self.engine
+        out = LocalGradients([], float(e._loss_sum.item()), e._tokens, e._metrics)
+        e._reset_accumulators()
+        return out
+
+    def release(self) -> None:
+        self.engine.release_weights()
 
     def drop_moments(self, step: int) -> None:
         """Lazy zeros: never evaluated, so no memory."""

@@ -8,8 +8,11 @@ checkpoint format: `embed.weight`, `layers.{i}.attn.{wq,wk,wv,wo}.weight`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .presets import ModelArgs
 
@@ -84,8 +87,21 @@ class Transformer(nn.Module):
         k = self.args.grad_checkpoint_every
         for i, layer in enumerate(self.layers):
             h = _checkpointed(layer, h) if k and i % k == 0 else layer(h)
+        return self._out(h)
+
+    def _out(self, h: mx.array) -> mx.array:
         h = self.norm(h)
         return self.embed.as_linear(h) if self.args.tie_embeddings else self.head(h)
+
+    def stages(self) -> list[tuple[list[str], Callable[[mx.array], mx.array]]]:
+        """The forward pass as a chain of calls, each with the parameters it reads (names as
+        `parameters()` flattens them): the embedding, each block, the head. Composed they are
+        `__call__` (without its recomputation, which a staged run does anyway): what lets
+        `dist.shard=weights` hold one block's weights at a time."""
+        head = ["norm.weight", "embed.weight" if self.args.tie_embeddings else "head.weight"]
+        blocks = [([f"layers.{i}.{n}" for n, _ in tree_flatten(layer.parameters())], layer)
+                  for i, layer in enumerate(self.layers)]
+        return [(["embed.weight"], self.embed), *blocks, (head, self._out)]
 
 
 def init_params(a: ModelArgs, seed: int) -> dict[str, mx.array]:

@@ -4,6 +4,7 @@ is the case with no one to sum with."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,9 @@ class DataParallel:
 
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
         return []
+
+    def whole_model(self, engine: Engine) -> AbstractContextManager:
+        return nullcontext()  # every rank holds the whole model
 
     def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
         return engine.get_weights()

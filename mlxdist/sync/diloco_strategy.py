@@ -23,6 +23,7 @@ residuals, round position) into a per-rank file (`state/rank_state.py`).
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,9 @@ class DiLoCoStrategy:
         if self.box is not None:
             self.box.skip_step()  # a checkpoint is no measure of this rank's pace
         return [self._event(step, s) for s in self.outer.drain(engine)]
+
+    def whole_model(self, engine: Engine) -> AbstractContextManager:
+        return nullcontext()  # every rank holds the whole model
 
     def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
         return self.outer.anchors()

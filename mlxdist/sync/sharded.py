@@ -75,15 +75,13 @@ from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
 from ..tasks.metrics import means
 from .data_parallel import DataParallel
 
-LEVELS = {"optimizer": "ZeRO-1", "gradients": "ZeRO-2"}
+LEVELS = {"optimizer": "ZeRO-1", "gradients": "ZeRO-2", "weights": "ZeRO-3"}
 MB = 2**20
 
 
 def check_shardable(cfg: Config, world: World, engine: Engine) -> None:
     """One line for what sharding cannot do (yet)."""
     shard = cfg.dist.shard
-    if shard == "weights":
-        raise world.agreed_error("dist.shard=weights (ZeRO-3) is not there yet; use optimizer or gradients")
     if cfg.dist.mode == "diloco":
         raise world.agreed_error(f"dist.shard={shard} shards data parallel's optimizer; dist.mode=diloco keeps "
                              "each rank's own optimizer: set dist.shard=none")
@@ -142,7 +140,8 @@ class ShardedDataParallel(DataParallel):
         # Between hosts, or with a half-precision wire (MPI cannot sum bfloat16): the pipelined
         # ring (`cluster/ring.py`), on its own communicator so its tags meet no other messages.
         # On one host Open MPI's shared-memory collectives; see `_reduce_scatter`.
-        self.ring = world.comm is not None and (self.wire != "float32" or (
+        # ZeRO-3's many small exchanges (a stage at a time) take the ring on one host too.
+        self.ring = world.comm is not None and (self.wire != "float32" or self.level == "weights" or (
             len(set(hosts)) > 1 and 4 * self.total >= RING_MIN_BYTES))
         self.ring_comm = world.comm.Dup() if self.ring else None
         self.ops.drop_moments(self.t)
@@ -230,30 +229,36 @@ class ShardedDataParallel(DataParallel):
         a0, b0 = self.offsets[i], self.offsets[i + 1]
         return [(max(a, a0) - a0, min(b, b0) - a0) if min(b, b0) > max(a, a0) else (0, 0) for a, b in self.bounds]
 
-    def _ring_reduce_scatter(self, grads: list) -> np.ndarray:
-        """The ring's first half straight from the gradients (no packed copy), each parameter's
-        ranges by owner; with `dist.wire_dtype` the gradients go as bf16/fp16 (a half-size copy)
-        and each hop's sum is rounded to it, as data parallel's ring does."""
+    def _ring_reduce_scatter(self, grads: list, indices: list[int] | None = None) -> np.ndarray:
+        """The ring's first half straight from the gradients (no packed copy) of the parameters
+        `indices` (default all), each one's ranges by owner; with `dist.wire_dtype` the
+        gradients go as bf16/fp16 (a half-size copy) and each hop's sum is rounded to it, as
+        data parallel's ring does. Returns this rank's ranges, parameter after parameter."""
+        indices = range(len(grads)) if indices is None else indices
         srcs = grads
         if self.wire == "bfloat16":
             srcs = [bf16_bits(x) for x in srcs]
         elif self.wire == "float16":
             srcs = [x.astype(np.float16) for x in srcs]
-        mine = np.empty(self.hi - self.lo, srcs[0].dtype if srcs else np.float32)
+        owners = [self._ranges(i) for i in indices]
+        mine = np.empty(sum(o[self.world.rank][1] - o[self.world.rank][0] for o in owners),
+                        srcs[0].dtype if srcs else np.float32)
         with self.world.watch(f"gradient reduce-scatter ({LEVELS[self.level]}, ring)"):
-            ring_reduce_scatter(self.ring_comm, srcs, [self._ranges(i) for i in range(len(srcs))], mine)
+            ring_reduce_scatter(self.ring_comm, srcs, owners, mine)
         if self.wire == "bfloat16":
             return (mine.astype(np.uint32) << 16).view(np.float32)
         return mine.astype(np.float32, copy=False)
 
-    def _allgather(self, shard: np.ndarray) -> np.ndarray:
+    def _allgather(self, shard: np.ndarray, keep: bool = True) -> np.ndarray:
+        """The whole flat vector from every rank's `shard`; `keep`: into the buffer kept
+        between steps (a fresh one costs a page fault per 4 KiB, every step)."""
         if self.world.comm is None:
             return shard
         from mpi4py import MPI
 
-        if self._full is None:  # kept: a fresh buffer costs a page fault per 4 KiB, every step
+        if keep and self._full is None:
             self._full = np.empty(self.total, np.float32)
-        full = self._full
+        full = self._full if keep else np.empty(self.total, np.float32)
         if self.ring:
             full[self.lo:self.hi] = shard
             with self.world.watch(f"weight all-gather ({LEVELS[self.level]}, ring)"):
@@ -318,18 +323,25 @@ class ShardedDataParallel(DataParallel):
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         t = self.t + 1
-        # The weights the engine holds now (a restore or a drift repair may have set them).
-        p = self.ops.weights(self.pieces)
-        p, self.m, self.v = self.ops.adamw(p, self.m, self.v, g, self.pieces, lr, t, coef)
+        p, self.m, self.v = self.ops.adamw(self._shard_weights(), self.m, self.v, g, self.pieces, lr, t, coef)
         del g
-        t0 = time.perf_counter()
-        full = self._allgather(self.ops.numpy(p))
-        stats.sync_seconds = time.perf_counter() - t0
-        stats.sync_bytes = 4 * self.total
-        engine.set_weights(self._unflatten(full))
+        stats.sync_seconds, stats.sync_bytes = self._publish(engine, p)
         self.t = t
         self.ops.drop_moments(t)
         return stats
+
+    def _shard_weights(self):
+        """This rank's range of the weights: the engine's (a restore or a drift repair may
+        have set them)."""
+        return self.ops.weights(self.pieces)
+
+    def _publish(self, engine: Engine, p) -> tuple[float, int]:
+        """Every rank's updated range to every rank, and into the engine: (seconds, bytes)."""
+        t0 = time.perf_counter()
+        full = self._allgather(self.ops.numpy(p))
+        seconds = time.perf_counter() - t0
+        engine.set_weights(self._unflatten(full))
+        return seconds, 4 * self.total
 
     def before_last_backward(self, engine: Engine) -> None:
         """The exchange starts after backward: MLX builds the whole backward graph lazily, and

@@ -8,6 +8,7 @@ checkpoint state, and `close`. Adding one is adding a module and a line to `make
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
@@ -51,6 +52,10 @@ class SyncStrategy(Protocol):
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
         """Make the state whole for a checkpoint (land exchanges in flight)."""
 
+    def whole_model(self, engine: Engine) -> AbstractContextManager:
+        """The whole model in the engine for the duration (evaluation, a checkpoint): ZeRO-3
+        gathers its shards, then lets go; the others hold it anyway. Collective."""
+
     def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
         """The weights a checkpoint saves as the model's: the ones every rank agrees on."""
 
@@ -75,17 +80,22 @@ def share_state(world: World, engine: Engine, root: int = 0) -> None:
     repair drift."""
     if world.size == 1:
         return
-    opt, opt_step = engine.get_optimizer_state()
-    weights = world.broadcast_arrays(engine.get_weights(), root)
+    mine = world.rank == root  # only the root's are read (ZeRO-3's other ranks hold none)
+    opt, opt_step = engine.get_optimizer_state() if mine else ({}, None)
+    weights = world.broadcast_arrays(engine.get_weights() if mine else {}, root)
     opt = world.broadcast_arrays(opt, root)
-    state = world.broadcast_arrays(engine.get_state(), root)
+    state = world.broadcast_arrays(engine.get_state() if mine else {}, root)
     engine.set_weights(weights)
     engine.set_optimizer_state(opt, world.bcast(opt_step, root))
     engine.set_state(state)
 
 
 def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str]) -> SyncStrategy:
-    if cfg.dist.shard in ("optimizer", "gradients", "weights"):  # "auto" is resolved before (resolve_shard)
+    if cfg.dist.shard == "weights":
+        from .fully_sharded import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(cfg, world, engine, hosts)
+    if cfg.dist.shard in ("optimizer", "gradients"):  # "auto" is resolved before (resolve_shard)
         from .sharded import ShardedDataParallel
 
         return ShardedDataParallel(cfg, world, engine, hosts)

@@ -145,6 +145,7 @@ class Trainer:
                 batches = self.feed.get(self.state.step)
                 compute_s = self.forward_backward(batches) if trains else 0.0
                 lr, stats = self.optimizer_step()
+                compute_s += stats.compute_seconds
                 if self.rolled_back(stats, trains):
                     continue
                 self.advance()
@@ -156,9 +157,11 @@ class Trainer:
                     self.report_step(stats, lr, compute_s, memory, time.perf_counter() - t_step)
                 last = self.state.step >= self.cfg.train.steps or self.stop_reason is not None
                 if self.evaluator.due(self.state.step, last):
-                    last = self.evaluate() or last
+                    with self.sync.whole_model(self.engine):
+                        last = self.evaluate() or last
                 if self.checkpoints.due(self.state.step, last):
-                    self.save_checkpoint()
+                    with self.sync.whole_model(self.engine):
+                        self.save_checkpoint()
         finally:
             self.feed.close()
         self.finish(stats)

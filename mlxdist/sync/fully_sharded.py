@@ -1,0 +1,205 @@
+"""Fully sharded data parallel (`dist.shard=weights`, ZeRO-3, FSDP's idea), MLX engine.
+
+ZeRO-2 (`sharded.py`) with the weights cut too: rank r keeps only its range [a_r, b_r) of the
+fp32 weights, beside its range of the moments and of the summed gradient, cut by memory budget
+as ZeRO-1/2 cut them. So between steps a rank holds 16 N f bytes (f: its fraction) where data
+parallel holds 16 N, and a model bigger than any one Mac fits across several.
+
+To compute, the model runs stage by stage (`model.stages()`: the built-in LM's embedding, each
+block, its head). A stage's weights are all-gathered just before it runs and let go after, in
+the forward pass and again in the backward pass (which recomputes the stage from its input, as
+`model.grad_checkpoint_every=1` does); its gradient is reduce-scattered as soon as backward
+leaves it, each rank adding its range into its gradient shard. So in a step a rank holds one
+stage's weights and gradient, the stages' inputs, and its shards.
+
+Every rank must take part in every gather, whatever its micro-batches (3+5 samples may be one
+micro-batch here and two there), so micro-batches wait for the step: the engine only holds
+them (`hold_batches`), the step agrees on the most any rank has, and a rank with fewer joins
+the remaining rounds' exchanges with zero gradients, computing nothing. Stages run in the same
+order everywhere, so the exchanges pair up.
+
+On the wire a micro-batch moves the weights twice (forward and backward) and the gradients
+once: 1.5 times the bytes of data parallel's all-reduce, per micro-batch (data parallel sends
+once per step). All exchanges go over mlxdist's pipelined ring (`cluster/ring.py`), one host
+too: a stage is one ring collective. The update is ZeRO-1/2's on the shard, with no
+all-gather after it: the next step's forward gathers what it needs.
+
+Outside the step the whole model exists only where something reads it: evaluation and
+checkpoints gather it into the engine for that phase (`whole_model`) and let go after (4 N
+bytes, without gradients or the other ranks' moments). A checkpoint is data parallel's, so a
+ZeRO-3 run resumes on any number of ranks, sharded or not, and the other way round.
+
+Not here (one line at start instead): the torch engine, models without `stages()` (a task's,
+a pretrained `model.path`), LoRA, models with buffers, `train.ema`, a task's own optimizer.
+An out-of-memory inside the step is not retried with a smaller micro-batch (the computing
+happens inside the exchange, where ranks cannot redo alone); the planner sizes it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..cluster.ring import ring_allgather
+from ..cluster.world import World
+from ..config import Config
+from ..engine.base import Engine, StepStats
+from ..tasks.metrics import means
+from .sharded import ShardedDataParallel
+
+
+def check_stageable(cfg: Config, world: World, engine: Engine) -> list[list[str]]:
+    """The model's stages, or one line for what ZeRO-3 cannot run."""
+    why = "dist.shard=weights (ZeRO-3) runs the model a stage at a time"
+    if engine.name != "mlx":
+        raise world.agreed_error(f"{why} on the MLX engine only; with --engine {engine.name} use dist.shard=gradients")
+    if cfg.finetune.method != "full":
+        raise world.agreed_error(f"dist.shard=weights with finetune.method={cfg.finetune.method}: only the adapters "
+                                 "train, and they are small; use dist.shard=gradients (or none)")
+    if cfg.train.ema:
+        raise world.agreed_error("dist.shard=weights with train.ema: the average is a whole copy of the weights on "
+                                 "every rank, which ZeRO-3 exists to avoid; drop train.ema or use dist.shard=gradients")
+    if engine.has_state():
+        raise world.agreed_error(f"{why}; this model has buffers or frozen arrays besides its trained weights "
+                                 "(BatchNorm's statistics, ...), which it does not shard: use dist.shard=gradients")
+    names = engine.shard_ops().stage_names()
+    if names is None:
+        raise world.agreed_error(f"{why}, but {type(engine.model).__name__} has no stages() (the built-in LM's presets "
+                                 "do); use dist.shard=gradients, or give the model a stages() method (docs/"
+                                 "bigger-than-one-mac.md)")
+    trained, seen = set(engine.trained_names), {n for stage in names for n in stage}
+    if seen != trained:
+        odd = sorted(trained - seen)[:3] or sorted(seen - trained)[:3]
+        raise world.agreed_error(f"{type(engine.model).__name__}.stages() do not name each trained parameter: "
+                                 f"{', '.join(odd)} (stages must cover the trained parameters, nothing else)")
+    return names
+
+
+class FullyShardedDataParallel(ShardedDataParallel):
+    """ZeRO-2 whose weights are sharded too; the model computed stage by stage."""
+
+    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str]):
+        stage_names = check_stageable(cfg, world, engine)
+        super().__init__(cfg, world, engine, hosts)
+        self.drift_check = False  # one copy of each weight: nothing to drift apart
+        index = {n: i for i, n in enumerate(self.names)}
+        self.stages = [[index[n] for n in names] for names in stage_names]
+        self.owners = [self._ranges(i) for i in range(len(self.names))]
+        self.p = self._zeros()  # this rank's range of the weights: set by load_state_dict
+        self.grad = np.zeros(0, np.float32)
+        self.exchange_s = 0.0
+        self.ops.hold_batches()
+
+    def describe(self) -> str | None:
+        return (super().describe().replace("AdamW state of", "weights, gradients and AdamW state of")
+                + f"; {len(self.stages)} stages, gathered one at a time")
+
+    # -- a stage's exchanges ------------------------------------------------------------
+    def _gather_stage(self, s: int) -> list[np.ndarray]:
+        """Stage s's whole weights (flat fp32), every rank's range of them."""
+        t0 = time.perf_counter()
+        mine = self.ops.numpy(self.p)
+        outs = []
+        for i in self.stages[s]:
+            buf = np.empty(self.offsets[i + 1] - self.offsets[i], np.float32)
+            a, b = self.owners[i][self.world.rank]
+            buf[a:b] = mine[self.offsets[i] + a - self.lo:self.offsets[i] + b - self.lo]
+            outs.append(buf)
+        if self.ring_comm is not None:
+            with self.world.watch(f"weight all-gather of stage {s} (ZeRO-3, ring)"):
+                ring_allgather(self.ring_comm, outs, [self.owners[i] for i in self.stages[s]])
+        self.exchange_s += time.perf_counter() - t0
+        return outs
+
+    def _fetch(self, s: int) -> list:
+        return [self.ops.array(buf.reshape(self.shapes[self.names[i]]))
+                for i, buf in zip(self.stages[s], self._gather_stage(s), strict=True)]
+
+    def _reduce(self, s: int, flats: list[np.ndarray]) -> None:
+        """Stage s's gradients summed over ranks; this rank's ranges added into its shard."""
+        t0 = time.perf_counter()
+        idx = self.stages[s]
+        if self.ring_comm is not None:
+            got = self._ring_reduce_scatter(flats, idx)
+        else:
+            got = np.concatenate([f[slice(*self.owners[i][0])] for i, f in zip(idx, flats, strict=True)])
+        at = 0
+        for i in idx:
+            a, b = self.owners[i][self.world.rank]
+            start = self.offsets[i] + a - self.lo
+            self.grad[start:start + b - a] += got[at:at + b - a]
+            at += b - a
+        self.exchange_s += time.perf_counter() - t0
+
+    def _hand(self, s: int, grads: list) -> None:
+        self._reduce(s, [self.ops.flat(i, g) for i, g in zip(self.stages[s], grads, strict=True)])
+
+    def _join(self) -> None:
+        """A micro-batch this rank does not have: the exchanges of one, with zero gradients
+        (the engine's order: gathers forward, then the last stage's reduce, then backward's
+        gather and reduce per stage)."""
+        last = len(self.stages) - 1
+        for s in range(last):
+            self._gather_stage(s)
+        for s in range(last, -1, -1):
+            self._gather_stage(s)
+            self._reduce(s, [np.zeros(self.offsets[i + 1] - self.offsets[i], np.float32) for i in self.stages[s]])
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self, engine: Engine, lr: float) -> StepStats:
+        self.world.rendezvous("waiting for the other ranks to finish reading their batches")
+        batches = self.ops.held_batches()
+        rounds = max(self.world.allgather(len(batches)))  # every rank runs as many, so exchanges pair up
+        self.grad = np.zeros(self.hi - self.lo, np.float32)
+        self.exchange_s, t0 = 0.0, time.perf_counter()
+        for k in range(rounds):
+            if k < len(batches):
+                self.ops.staged(batches[k], self._fetch, self._hand)
+            else:
+                self._join()
+        step_s = time.perf_counter() - t0
+        local = self.ops.totals()
+        loss_sum, count, *metrics = self.world.allreduce_sum([local.loss_sum, local.count,
+                                                              *local.metrics.flat(local.count)])
+        summed, self.grad = self.grad, np.zeros(0, np.float32)
+        stats = self._update(engine, summed, loss_sum, int(count), lr)
+        stats.metrics = means(local.metrics.names(), metrics)
+        stats.sync_seconds = self.exchange_s
+        stats.compute_seconds = step_s - self.exchange_s
+        # Per round: each stage's weights twice and its gradients once (a tied embedding counts
+        # in two stages); what this rank's link carries is about (1 - f) of it.
+        weights = sum(self.offsets[i + 1] - self.offsets[i] for stage in self.stages for i in stage)
+        stats.sync_bytes = rounds * weights * (8 + (4 if self.wire == "float32" else 2))
+        return stats
+
+    def _shard_weights(self):
+        return self.p
+
+    def _publish(self, engine: Engine, p) -> tuple[float, int]:
+        self.p = p  # the next forward pass gathers what it needs
+        return 0.0, 0
+
+    # -- the whole model, outside the step --------------------------------------------
+    @contextmanager
+    def whole_model(self, engine: Engine) -> Iterator[None]:
+        if not getattr(engine, "released", False):  # already whole (nested, or before the first restore)
+            yield
+            return
+        full = self._allgather(self.ops.numpy(self.p), keep=False)
+        engine.set_weights(self._unflatten(full))
+        del full
+        try:
+            yield
+        finally:
+            self.ops.release()
+
+    def load_state_dict(self, shared, root, step, engine, optimizer_step):
+        """ZeRO-1/2's (the moments' range), then this rank's range of the weights every rank
+        now holds whole; the engine lets go of the rest."""
+        decisions = super().load_state_dict(shared, root, step, engine, optimizer_step)
+        self.p = self.ops.array(np.array(self.ops.numpy(self.ops.weights(self.pieces)), np.float32))  # a copy
+        self.ops.release()
+        return decisions
