@@ -158,7 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             act, what = int(args.activation_gb * GIB), what + f"; activations {args.activation_gb:g} GiB/sample (given)"
         elif act is not None:
             what += f"; activations ~{act / 2**20:.0f} MiB/sample (estimated)"
-        result = plan(cfg, hosts, n_params, act, gather_params=unit)
+        facts = lm_facts(cfg) if args.activation_gb is None else None
+        result = plan(cfg, hosts, n_params, act, gather_params=unit,
+                      staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -49,10 +49,14 @@ def test_estimate_zero2_drops_the_whole_gradients_before_the_update():
 
 
 def test_estimate_zero3_shards_weights_plus_one_gathered_unit():
-    b = estimate(N, "weights", 0.5, 1, 0, "bfloat16", gather_params=10_000)
-    assert b.weights == 2 * N + 2 * 10_000  # fp32 master shard + the gathered unit in bf16
-    assert b.gradients == 2 * N + 4 * 10_000  # the unit's full fp32 gradient before reduce-scatter
-    assert b.optimizer == 4 * N
+    b = estimate(N, "weights", 0.5, 1, 0, "bfloat16", gather_params=10_000, staged_activation_bytes_per_sample=7)
+    assert b.weights == 2 * N + (4 + 2) * 10_000  # fp32 master shard + the gathered unit, fp32 and its bf16 copy
+    assert b.whole_gradients == 4 * 10_000  # the unit's full fp32 gradient before reduce-scatter
+    assert (b.gradients, b.optimizer, b.activations) == (2 * N, 4 * N, 7)  # only the stages' inputs are kept
+    assert b.whole_model == 0  # never the whole model, outside the checkpoint writer
+    writer = estimate(N, "weights", 0.5, 1, 0, gather_params=10_000, writer=True)
+    assert writer.whole_model == 12 * N  # it gathers the whole weights and moments to save them
+    assert writer.total == 2 * N + 4 * 10_000 + 4 * N + 12 * N
 
 
 def test_estimate_bf16_adds_the_compute_copy_and_unknown_activations_count_zero():
@@ -121,7 +125,10 @@ def test_auto_picks_optimizer_when_only_sharding_adamw_fits():
 
 def test_auto_picks_gradients_then_weights_as_memory_shrinks():
     assert _plan_for([8.0, 0.9]).choice == "gradients"  # 8 N + 13 N f: 0.87 GiB (ZeRO-1: 12 N + 13 N f)
+    # ZeRO-3 on the small rank: 29 N f of shards and update, f = 0.024 (0.07 GiB), where ZeRO-2
+    # needs 8 N + more (0.75 GiB). Two 0.3 GiB ranks: 29 N / 2 = 1.35 GiB each, no mode fits.
     assert _plan_for([8.0, 0.2]).choice == "weights"
+    assert _plan_for([0.3, 0.3]).choice is None
 
 
 def test_nothing_fits_names_the_rank_its_budget_and_its_need():

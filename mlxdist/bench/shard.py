@@ -1,11 +1,16 @@
 """`python -m mlxdist.bench shard`: sharded data parallel (`dist.shard=optimizer`, ZeRO-1;
-`dist.shard=gradients`, ZeRO-2) against data parallel (`dist.shard=none`), the built-in LM
-on N ranks of this host (MLX engine), the modes interleaved within each of `--rounds` rounds.
+`dist.shard=gradients`, ZeRO-2; `dist.shard=weights`, ZeRO-3) against data parallel
+(`dist.shard=none`), the built-in LM on N ranks of this host or N namespace hosts (MLX
+engine), the modes interleaved within each of `--rounds` rounds.
 
 Per mode and rank: MLX's peak and end-of-step active memory (the step events'
 `memory_peak_bytes`, `memory_active_bytes`), AdamW state held (the `shard` event's
 `optimizer_bytes_here`; data parallel: 8 bytes a parameter), its ratio to data parallel's
 (target <= 1/N + 0.05), and the median step time over data parallel's in the same round.
+ZeRO-3 also: what a rank holds between steps (end-of-step active memory) against its
+shard's weights and moments (12 bytes a parameter it owns), and, between hosts, its exchange
+against the link's limit for the bytes it moves (each stage's weights twice, its gradients
+once, per micro-batch).
 
 Then "doesn't fit": `MLXDIST_MEMORY_LIMIT_BYTES` set so that data parallel's memory plan does
 not fit a rank's budget but ZeRO-1's does; `dist.shard=auto` must pick a sharded mode, train,
@@ -30,8 +35,8 @@ from pathlib import Path
 from ..cluster.world import find_mpirun
 from .runs import REPO, check, finish, read_events, set_env
 
-MODES = ("none", "optimizer", "gradients")
-NAMES = {"none": "data parallel", "optimizer": "ZeRO-1", "gradients": "ZeRO-2"}
+MODES = ("none", "optimizer", "gradients", "weights")
+NAMES = {"none": "data parallel", "optimizer": "ZeRO-1", "gradients": "ZeRO-2", "weights": "ZeRO-3"}
 MB = 1e6
 
 
@@ -83,6 +88,17 @@ def link_seconds(owned: list[float], rate: str) -> float:
     return 2 * (sum(owned) - min(owned)) * 4 * 8 / parse_rate(rate)
 
 
+def zero3_link_seconds(owned: list[float], moved_bytes: float, rate: str) -> float:
+    """ZeRO-3's least exchange time: a step moves `moved_bytes` (its `sync_bytes`: every
+    stage's weights twice and gradients once), each ring collective's busiest link carrying
+    all but the smallest range of it; the collectives run one after another."""
+    from ..rig.simcluster import parse_rate
+
+    if len(owned) < 2:
+        return 0.0
+    return moved_bytes * (1 - min(owned) / sum(owned)) * 8 / parse_rate(rate)
+
+
 @contextlib.contextmanager
 def _hosts(args, tmp: Path):
     """None (ranks on this host), or namespace hosts for `--simcluster N` (root)."""
@@ -113,7 +129,8 @@ def _limit(common: list[str], n: int) -> tuple[int, dict]:
 
     def at(limit: int):
         return plan(cfg, [(host, limit)] * n, facts.n_params, facts.activation_bytes_per_sample,
-                    gather_params=facts.gather_params)
+                    gather_params=facts.gather_params,
+                    staged_act_per_sample=facts.staged_activation_bytes_per_sample)
 
     probe = at(2**40)
     need_none = max(b.total for b in probe.needs["none"])
@@ -198,9 +215,14 @@ def main(argv: list[str] | None = None) -> int:
                  "step_ratio": statistics.median(ratios), "step_ratio_rounds": ratios, "ranks": ranks,
                  "optimizer_ratio_ok": all(x["optimizer_ratio"] <= 1 / n + 0.05 for x in ranks),
                  "sync_s": statistics.median(x["ranks"][0]["sync_s"] for x in runs[mode])}
+        if mode == "weights":
+            entry["held_bytes"] = [x["active_bytes"] for x in ranks]
+            entry["shard_bytes"] = [12 * x["optimizer_bytes"] / 8 for x in ranks]  # weights + m + v
         if args.simcluster:
             owned = [x["optimizer_bytes"] / 8 for x in ranks] if mode != "none" else [n_params / n] * n
-            entry["link_limit_s"] = link_seconds(owned, args.rate)
+            moved = statistics.median(x["ranks"][0]["sync_bytes"] for x in runs[mode])
+            entry["link_limit_s"] = (zero3_link_seconds(owned, moved, args.rate) if mode == "weights"
+                                     else link_seconds(owned, args.rate))
             entry["link_fraction"] = entry["link_limit_s"] / max(entry["sync_s"], 1e-9)
         result["modes"][mode] = entry
         for r, x in enumerate(ranks):
@@ -214,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
               f"parallel's (target <= {1 / n + 0.05:.3f}: {'ok' if e['optimizer_ratio_ok'] else 'MISSED'}); "
               f"step time {e['step_ratio']:.3f} x data parallel's (rounds: "
               f"{', '.join(f'{x:.3f}' for x in e['step_ratio_rounds'])})")
+        if mode == "weights":
+            print(f"ZeRO-3: held between steps {', '.join(f'{b / MB:.0f}' for b in e['held_bytes'])} MB per rank; "
+                  f"its shard's weights and moments {', '.join(f'{b / MB:.0f}' for b in e['shard_bytes'])} MB "
+                  f"(data parallel holds {12 * n_params / MB:.0f} MB of them on every rank)")
     if args.simcluster:
         for mode in modes:
             e = result["modes"][mode]

@@ -108,20 +108,25 @@ class Bytes:
     activations: int | None
     update: int = 0
     whole_gradients: int = 0
+    whole_model: int = 0  # ZeRO-3: the whole model gathered for evaluation and checkpoints
 
     @property
     def total(self) -> int:
-        """The step's peak: the highest of backward's and the update's high points."""
+        """The step's peak: the highest of backward's and the update's high points (and
+        ZeRO-3's whole-model phases)."""
         return self.weights + self.optimizer + max(self.activations or 0, self.whole_gradients,
-                                                   self.gradients + self.update)
+                                                   self.gradients + self.update, self.whole_model)
 
 
 def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
              activation_bytes_per_sample: int | None, dtype: str = "float32", *,
-             gather_params: int = 0, ranks: int = 1) -> Bytes:
+             gather_params: int = 0, ranks: int = 1, staged_activation_bytes_per_sample: int | None = None,
+             writer: bool = False) -> Bytes:
     """Bytes one rank holds training `n_params` parameters under `mode` (see the module's
     table), owning `shard_fraction` of every sharded state, at `micro_batch` samples, in a run
-    of `ranks` ranks (data parallel's reducer keeps a summed copy of the gradients on 2+)."""
+    of `ranks` ranks (data parallel's reducer keeps a summed copy of the gradients on 2+).
+    ZeRO-3 keeps only the stages' inputs (`staged_activation_bytes_per_sample`, default the
+    others'); a checkpoint `writer` gathers the moments too when it saves."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if not 0.0 <= shard_fraction <= 1.0:
@@ -136,7 +141,9 @@ def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
     update = 17 * shard
     if mode == "weights":
         g = min(gather_params, n)
-        return Bytes(4 * shard + compute * g, 4 * shard + 4 * g, 8 * shard, act, update, 4 * g)
+        if staged_activation_bytes_per_sample is not None:
+            act = micro_batch * staged_activation_bytes_per_sample
+        return Bytes(4 * shard + (4 + copy) * g, 4 * shard, 8 * shard, act, update, 4 * g, 12 * n if writer else 0)
     update = max(update, 4 * n + shard)  # the all-gathered weights set beside the old ones
     gradients = 4 * n + 4 * shard if mode == "optimizer" else 4 * shard
     return Bytes((4 + copy) * n, gradients, 8 * shard, act, update, 4 * n)
@@ -178,6 +185,7 @@ class LMFacts:
     n_params: int
     activation_bytes_per_sample: int
     gather_params: int  # one transformer block: ZeRO-3's unit of gathering
+    staged_activation_bytes_per_sample: int  # ZeRO-3 keeps the blocks' inputs (recomputing each block)
 
 
 def lm_activation_bytes_per_sample(dim: int, n_layers: int, n_heads: int, ffn_dim: int, vocab_size: int,
@@ -208,7 +216,9 @@ def lm_facts(cfg) -> LMFacts | None:
     block = a.dim * a.n_heads * hd * 2 + a.dim * a.n_kv_heads * hd * 2 + 3 * a.dim * a.ffn_dim + 2 * a.dim
     act = lm_activation_bytes_per_sample(a.dim, a.n_layers, a.n_heads, a.ffn_dim, a.vocab_size, cfg.data.seq_len,
                                          cfg.model.dtype, a.grad_checkpoint_every)
-    return LMFacts(param_count(a), act, max(block, a.vocab_size * a.dim))
+    staged = lm_activation_bytes_per_sample(a.dim, a.n_layers, a.n_heads, a.ffn_dim, a.vocab_size, cfg.data.seq_len,
+                                            cfg.model.dtype, 1)
+    return LMFacts(param_count(a), act, max(block, a.vocab_size * a.dim), staged)
 
 
 @dataclass
@@ -277,7 +287,7 @@ class Plan:
                          f"{r.micro_batch:>7}{100 * f:>7.1f}%")
         lines.append("")
         lines.append(f"{'dist.shard':<24}{'rank':<5}{'host':<14}{'weights':>8}{'adamw':>8}{'activ.':>8}"
-                     f"{'grads':>8}{'update':>8}{'peak':>8}{'budget':>8}  fits")
+                     f"{'grads':>8}{'update':>8}{'whole':>8}{'peak':>8}{'budget':>8}  fits")
         for mode in MODES:
             head = f"{mode} ({MODE_NAMES[mode]})"
             for i, (r, b) in enumerate(zip(self.ranks, self.needs[mode], strict=True)):
@@ -285,9 +295,12 @@ class Plan:
                 ok = "yes" if b.total <= r.budget else "NO"
                 lines.append(f"{head if i == 0 else '':<24}{r.rank:<5}{r.host[:13]:<14}{self._n(b.weights):>8}"
                              f"{self._n(b.optimizer):>8}{act:>8}{self._n(b.gradients):>8}{self._n(b.update):>8}"
+                             f"{self._n(b.whole_model) if b.whole_model else '-':>8}"
                              f"{self._n(b.total):>8}{self._n(r.budget):>8}  {ok}")
         key = ("peak = weights + adamw + the highest of: activ. (backward), the whole gradients (4 bytes a "
-               "parameter, backward's end), grads + update (the update's temporaries)")
+               "parameter, backward's end), grads + update (the update's temporaries), whole (ZeRO-3: the "
+               "whole weights and moments gathered to the checkpoint writer, rank 0, as it saves: 12 bytes a "
+               "parameter)")
         return lines + ["", key] + self.notes + ([self.choice_line()] if choice else [])
 
     def unsharded_warning(self, can_shard: bool = True, auto: bool = True) -> str | None:
@@ -326,7 +339,7 @@ class Plan:
 
 
 def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: int | None, *,
-         gather_params: int = 0) -> Plan:
+         gather_params: int = 0, staged_act_per_sample: int | None = None) -> Plan:
     """The plan for ranks on `hosts` ((host name, memory limit in bytes), one per rank in rank
     order): memory_target and micro-batch per rank from the config as the trainer reads them
     (`nodes:`), bytes from `estimate`, shards by `proportional_split` of the parameters by
@@ -344,7 +357,8 @@ def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: i
     equal = getattr(cfg.dist, "shard_split", "memory") == "equal" or sum(budgets) <= 0
     shard_sizes = proportional_split(n_params, [1.0] * len(ranks) if equal else budgets)
     needs = {m: [estimate(n_params, m, s / n_params, r.micro_batch, act_per_sample, cfg.model.dtype,
-                          gather_params=gather_params, ranks=len(ranks))
+                          gather_params=gather_params, ranks=len(ranks), writer=r.rank == 0,
+                          staged_activation_bytes_per_sample=staged_act_per_sample)
                  for r, s in zip(ranks, shard_sizes, strict=True)] for m in MODES}
     choice = choose_mode({m: [b.total for b in bs] for m, bs in needs.items()}, [r.budget for r in ranks])
     notes = []

@@ -121,6 +121,9 @@ class StagedOps(ShardOps, Protocol):
         """Forward and backward of `batch` a stage at a time: `fetch(i)` gives stage i's weights,
         `hand(i, grads)` takes its gradients (last stage first)."""
 
+    def staged_eval(self, batch: Batch, fetch: Callable[[int], list], metrics: MetricSums | None) -> tuple[float, int]:
+        """`Engine.eval_loss` a stage at a time (forward only)."""
+
     def totals(self) -> LocalGradients:
         """Loss, units and metrics of the batches run since the last call (no gradients)."""
 
@@ -150,8 +153,9 @@ class Engine(Protocol):
     def discard_gradients(self) -> None:
         """Forget gradients accumulated since the last `step` (retry after out-of-memory)."""
 
-    def eval_loss(self, batch: Batch) -> tuple[float, int]:
-        """(summed loss, unit count) without touching gradients, the model in eval mode."""
+    def eval_loss(self, batch: Batch, metrics: MetricSums | None = None) -> tuple[float, int]:
+        """(summed loss, unit count) without touching gradients, the model in eval mode; the
+        task's metrics added into `metrics`."""
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """fp32 logits [b, T, vocab] for int32 tokens [b, T]."""

@@ -251,6 +251,27 @@ class MLXEngine:
         mx.eval(self._loss_sum)
         self._metrics.add(_pairs(totals, counts), _item)
 
+    def staged_eval(self, batch, fetch: Callable[[int], list], metrics: MetricSums | None = None) -> tuple[float, int]:
+        """`eval_loss` a stage at a time (forward only: each stage's weights fetched once)."""
+        batch = as_batch(batch)
+        stages = self.model.stages()
+        data = self._arrays(batch.data)
+        self.model.eval()
+        try:
+            with sample_seeds_of(batch):
+                h = _model_input(self.task_loss, self.model, data, self.task_name)
+                for i, (names, run) in enumerate(stages):
+                    h = self._stage(names, run, fetch(i), h)
+                    mx.eval(h)
+                    self._let_go(names)
+                loss, totals, counts = self._loss_of(_Output(self.model, h), data)
+                mx.eval(loss, totals, counts)
+        finally:
+            self.model.train()
+        if metrics is not None:
+            metrics.add(_pairs(totals, counts), _item)
+        return loss.item(), batch.count
+
     def _stage(self, names: list[str], run, weights: list, x):
         if self.compute_dtype != mx.float32:
             weights = [w.astype(self.compute_dtype) for w in weights]
@@ -524,6 +545,9 @@ class MLXShardOps:
 
     def staged(self, batch, fetch, hand) -> None:
         self.engine.staged_step(batch, fetch, hand)
+
+    def staged_eval(self, batch, fetch, metrics) -> tuple[float, int]:
+        return self.engine.staged_eval(batch, fetch, metrics)
 
     def totals(self) -> LocalGradients:
         """The step's loss, units and metrics (its gradients went to `hand`)."""

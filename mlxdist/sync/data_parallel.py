@@ -4,6 +4,7 @@ is the case with no one to sum with."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import numpy as np
 from ..cluster.world import World
 from ..control.plan import Decision
 from ..engine.base import Engine, StepStats
-from ..tasks.metrics import means
+from ..tasks import Batch
+from ..tasks.metrics import MetricSums, means
 from .model_state import StateSync
 
 
@@ -55,8 +57,11 @@ class DataParallel:
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
         return []
 
-    def whole_model(self, engine: Engine) -> AbstractContextManager:
+    def whole_model(self, engine: Engine, ranks: Collection[int]) -> AbstractContextManager:
         return nullcontext()  # every rank holds the whole model
+
+    def eval_losses(self, engine: Engine, batches: list[Batch], metrics: MetricSums) -> list[tuple[float, int]]:
+        return [engine.eval_loss(b, metrics) for b in batches]
 
     def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
         return engine.get_weights()

@@ -23,6 +23,7 @@ residuals, round position) into a per-rank file (`state/rank_state.py`).
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from ..config import Config, DistConfig
 from ..control.plan import Decision
 from ..engine.base import Engine, StepStats, local_step
 from ..state import rank_state
+from ..tasks import Batch
+from ..tasks.metrics import MetricSums
 from .comm import allgather_from_comm, allreduce_from_comm
 from .diloco import DiLoCo, OuterStats
 from .fragments import TimeBox
@@ -114,8 +117,11 @@ class DiLoCoStrategy:
             self.box.skip_step()  # a checkpoint is no measure of this rank's pace
         return [self._event(step, s) for s in self.outer.drain(engine)]
 
-    def whole_model(self, engine: Engine) -> AbstractContextManager:
+    def whole_model(self, engine: Engine, ranks: Collection[int]) -> AbstractContextManager:
         return nullcontext()  # every rank holds the whole model
+
+    def eval_losses(self, engine: Engine, batches: list[Batch], metrics: MetricSums) -> list[tuple[float, int]]:
+        return [engine.eval_loss(b, metrics) for b in batches]
 
     def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
         return self.outer.anchors()

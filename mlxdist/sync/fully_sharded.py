@@ -24,10 +24,13 @@ once per step). All exchanges go over mlxdist's pipelined ring (`cluster/ring.py
 too: a stage is one ring collective. The update is ZeRO-1/2's on the shard, with no
 all-gather after it: the next step's forward gathers what it needs.
 
-Outside the step the whole model exists only where something reads it: evaluation and
-checkpoints gather it into the engine for that phase (`whole_model`) and let go after (4 N
-bytes, without gradients or the other ranks' moments). A checkpoint is data parallel's, so a
-ZeRO-3 run resumes on any number of ranks, sharded or not, and the other way round.
+Evaluation runs stage by stage too (`eval_losses`, forward only, rounds agreed as in the
+step). The whole model exists only where something reads it whole: a checkpoint's writers
+(rank 0; with `checkpoint.on_every_host` each host's first rank) gather it with the moments
+for the save (12 N bytes there, for that phase), and rank 0 for a task's `on_eval` hook
+(`whole_model`); they let go after. No other rank ever holds it. A checkpoint is data
+parallel's, so a ZeRO-3 run resumes on any number of ranks, sharded or not, and the other way
+round.
 
 Not here (one line at start instead): the torch engine, models without `stages()` (a task's,
 a pretrained `model.path`), LoRA, models with buffers, `train.ema`, a task's own optimizer.
@@ -38,7 +41,7 @@ happens inside the exchange, where ranks cannot redo alone); the planner sizes i
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -91,6 +94,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
         self.p = self._zeros()  # this rank's range of the weights: set by load_state_dict
         self.grad = np.zeros(0, np.float32)
         self.exchange_s = 0.0
+        self._depth = 0  # whole_model's nesting
         self.ops.hold_batches()
 
     def describe(self) -> str | None:
@@ -184,17 +188,36 @@ class FullyShardedDataParallel(ShardedDataParallel):
 
     # -- the whole model, outside the step --------------------------------------------
     @contextmanager
-    def whole_model(self, engine: Engine) -> Iterator[None]:
-        if not getattr(engine, "released", False):  # already whole (nested, or before the first restore)
-            yield
-            return
-        full = self._allgather(self.ops.numpy(self.p), keep=False)
-        engine.set_weights(self._unflatten(full))
-        del full
+    def whole_model(self, engine: Engine, ranks: Collection[int]) -> Iterator[None]:
+        """Gathered into the engine of `ranks` only (a checkpoint's writers, the rank that runs
+        a hook); the others hold their shards as before. Nested entries gather again (every
+        rank alike) and only the outermost lets go."""
+        for root in sorted(set(ranks)):
+            full = self._gather(self.ops.numpy(self.p), root, "weight")
+            if root == self.world.rank:
+                engine.set_weights(self._unflatten(full))
+            del full
+        self._depth += 1
         try:
             yield
         finally:
-            self.ops.release()
+            self._depth -= 1
+            if self._depth == 0 and not getattr(engine, "released", True):
+                self.ops.release()
+                self.ops.drop_moments(self.t)  # a checkpoint writer was handed the whole moments
+
+    def eval_losses(self, engine: Engine, batches: list, metrics) -> list[tuple[float, int]]:
+        """Forward only, stage by stage, as many rounds on every rank (one with fewer batches
+        joins the gathers of the rest)."""
+        rounds = max(self.world.allgather(len(batches)))
+        out = []
+        for k in range(rounds):
+            if k < len(batches):
+                out.append(self.ops.staged_eval(batches[k], self._fetch, metrics))
+            else:
+                for s in range(len(self.stages)):
+                    self._gather_stage(s)
+        return out
 
     def load_state_dict(self, shared, root, step, engine, optimizer_step):
         """ZeRO-1/2's (the moments' range), then this rank's range of the weights every rank

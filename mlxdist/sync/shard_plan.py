@@ -31,7 +31,8 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], b
         return []
     facts = lm_facts(cfg) if builtin_lm else None
     mp = plan(cfg, list(zip(hosts, limits, strict=True)), n_params,
-              facts.activation_bytes_per_sample if facts else None, gather_params=facts.gather_params if facts else 0)
+              facts.activation_bytes_per_sample if facts else None, gather_params=facts.gather_params if facts else 0,
+              staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None)
     if cfg.dist.shard == "none":
         line = mp.unsharded_warning(can_shard=engine.name in SHARDED_ENGINES, auto=engine.name in AUTO_ENGINES)
         return [line] if line else []

@@ -272,13 +272,13 @@ class ShardedDataParallel(DataParallel):
                 self.world.comm.Allgatherv(shard[at:at + got], [full[lo:hi], counts, displs, MPI.FLOAT])
         return full
 
-    def _gather(self, shard: np.ndarray, root: int) -> np.ndarray | None:
+    def _gather(self, shard: np.ndarray, root: int, what: str = "optimizer state") -> np.ndarray | None:
         if self.world.comm is None:
             return shard.copy()
         from mpi4py import MPI
 
         full = np.empty(self.total, np.float32) if self.world.rank == root else None
-        with self.world.watch("optimizer state gather for the checkpoint", patience=10):
+        with self.world.watch(f"{what} gather for the checkpoint", patience=10):
             for lo, hi, counts in self._buckets():
                 at = max(self.lo, lo) - self.lo
                 got = counts[self.world.rank]

@@ -8,6 +8,7 @@ checkpoint state, and `close`. Adding one is adding a module and a line to `make
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
@@ -18,6 +19,8 @@ from ..cluster.world import World
 from ..config import Config
 from ..control.plan import Decision
 from ..engine.base import Engine, StepStats
+from ..tasks import Batch
+from ..tasks.metrics import MetricSums
 
 
 class SyncStrategy(Protocol):
@@ -52,9 +55,14 @@ class SyncStrategy(Protocol):
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
         """Make the state whole for a checkpoint (land exchanges in flight)."""
 
-    def whole_model(self, engine: Engine) -> AbstractContextManager:
-        """The whole model in the engine for the duration (evaluation, a checkpoint): ZeRO-3
-        gathers its shards, then lets go; the others hold it anyway. Collective."""
+    def whole_model(self, engine: Engine, ranks: Collection[int]) -> AbstractContextManager:
+        """The whole model in the engine of `ranks` for the duration (a checkpoint's writers, a
+        hook's rank): ZeRO-3 gathers its shards there, then lets go; the others hold it anyway.
+        Collective, entered alike on every rank."""
+
+    def eval_losses(self, engine: Engine, batches: list[Batch], metrics: MetricSums) -> list[tuple[float, int]]:
+        """(summed loss, units) of each of this rank's evaluation batches; collective (ZeRO-3
+        gathers each stage's weights, and every rank must take part in as many gathers)."""
 
     def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
         """The weights a checkpoint saves as the model's: the ones every rank agrees on."""

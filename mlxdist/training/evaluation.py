@@ -8,6 +8,7 @@ from ..config import TrainConfig
 from ..control.split import micro_batches
 from ..data.sampler import EVAL, StreamIndices
 from ..engine.base import Engine
+from ..sync.strategy import SyncStrategy
 from ..tasks import Task
 from ..tasks.metrics import MetricSums, means
 
@@ -22,21 +23,24 @@ class Evaluator:
         return (self.task.eval_dataset is not None and bool(self.cfg.eval_every)
                 and (step % self.cfg.eval_every == 0 or last))
 
-    def run(self, engine: Engine, micro: int) -> tuple[float, dict[str, float]]:
+    def run(self, engine: Engine, micro: int, sync: SyncStrategy) -> tuple[float, dict[str, float]]:
         """Mean loss per unit and the task's metrics; eval batches are dealt round-robin to
-        the ranks."""
+        the ranks, and computed as the sync strategy computes them (ZeRO-3: stage by stage,
+        every rank in every gather)."""
         data = self.task.eval_dataset
-        loss_sum = units = 0.0
         metrics = MetricSums()
         b, n = self.cfg.batch_size, len(data)
         batches = self.cfg.eval_batches or -(-n // b)  # 0: the whole set, each sample once
+        mine = []
         for i in range(self.world.rank, batches, self.world.size):
             idx = [(i * b + j) % n for j in range(b)] if self.cfg.eval_batches else list(range(i * b, min(n, i * b + b)))
             idx = StreamIndices(idx, range(i * b, i * b + len(idx)), self.cfg.seed, EVAL)  # window slots: augment keys
             offset = 0
             for size in micro_batches(len(idx), micro):
-                ls, count = engine.eval_loss(self.task.make_batch(data, idx[offset : offset + size]), metrics)
-                loss_sum, units, offset = loss_sum + ls, units + count, offset + size
+                mine.append(self.task.make_batch(data, idx[offset : offset + size]))
+                offset += size
+        losses = sync.eval_losses(engine, mine, metrics)
+        loss_sum, units = sum(ls for ls, _ in losses), sum(c for _, c in losses)
         # Every rank sums the same names, also one that got no eval batch (its first micro-batch
         # would have named them): the names come from rank 0.
         names = self.world.bcast(metrics.names())

@@ -108,6 +108,7 @@ class Trainer:
         notes = install_sync_batchnorm(cfg, w, self.engine, plan)  # train.sync_batchnorm (torch)
         self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir, host=w.host, rank=w.rank,
                                         local_rank=w.local_rank)
+        self.writers = [r for r, writes in enumerate(w.allgather(self.checkpoints.writes)) if writes]
         self.ema = EMA(cfg.train.ema, w) if cfg.train.ema else None
         self.task_state = TaskState(self.task, w) if self.task.state_dict is not None else None
         self.hooks = Hooks(self.task, w)
@@ -157,11 +158,9 @@ class Trainer:
                     self.report_step(stats, lr, compute_s, memory, time.perf_counter() - t_step)
                 last = self.state.step >= self.cfg.train.steps or self.stop_reason is not None
                 if self.evaluator.due(self.state.step, last):
-                    with self.sync.whole_model(self.engine):
-                        last = self.evaluate() or last
+                    last = self.evaluate() or last
                 if self.checkpoints.due(self.state.step, last):
-                    with self.sync.whole_model(self.engine):
-                        self.save_checkpoint()
+                    self.save_checkpoint()
         finally:
             self.feed.close()
         self.finish(stats)
@@ -328,12 +327,13 @@ class Trainer:
         s = self.state
         try:
             with self.ema.applied(self.engine) if self.ema else nullcontext():
-                s.eval_loss, metrics = self.evaluator.run(self.engine, self.plan.micro[self.world.rank])
+                s.eval_loss, metrics = self.evaluator.run(self.engine, self.plan.micro[self.world.rank], self.sync)
                 shown = "".join(f", {k} {v:.4g}" for k, v in metrics.items())
                 self.report.emit("eval", f"eval: step {s.step}: {'EMA ' if self.ema else ''}loss {s.eval_loss:.4f}"
                                  f"{shown}", step=s.step, eval_loss=s.eval_loss, metrics=metrics, ema=bool(self.ema))
-                self.hooks.call("on_eval", self.engine.model, s.step, {"loss": s.eval_loss} | metrics,
-                                kept=f"a checkpoint of step {s.step} is written before the run stops")
+                with self.sync.whole_model(self.engine, [0] if self.hooks.wants("on_eval") else []):
+                    self.hooks.call("on_eval", self.engine.model, s.step, {"loss": s.eval_loss} | metrics,
+                                    kept=f"a checkpoint of step {s.step} is written before the run stops")
         except HookError:
             self.save_checkpoint()
             raise
@@ -351,19 +351,21 @@ class Trainer:
         return False
 
     def save_checkpoint(self) -> None:
+        """The writers' copies (ZeRO-3 gathers the whole model there only), then the hook."""
         step = self.state.step
-        self._report(self.sync.before_save(self.engine, step))
-        self.sync.save_rank_state(self.run_dir / "rank_state", step, self.engine, self.cfg.checkpoint.keep_last)
-        written = self.checkpoints.save(step, self.parts)
-        if written is not None:  # rank 0; with checkpoint.on_every_host each host's first rank too
-            path, seconds = written
-            self.report.emit("checkpoint", f"checkpoint: {path} ({seconds:.2f}s)", step=step, path=str(path),
-                             seconds=seconds)
-        # Peers wait here, with a longer stall allowance, rather than in the next step's
-        # exchange, where a big model's slow save would look like a dead rank.
-        self.world.barrier("waiting for the checkpoint writers", patience=10)
-        self.hooks.call("on_checkpoint", self.engine.model, written[0] if written else None, step,
-                        kept=f"the checkpoint of step {step} was written before it")
+        with self.sync.whole_model(self.engine, self.writers):
+            self._report(self.sync.before_save(self.engine, step))
+            self.sync.save_rank_state(self.run_dir / "rank_state", step, self.engine, self.cfg.checkpoint.keep_last)
+            written = self.checkpoints.save(step, self.parts)
+            if written is not None:  # rank 0; with checkpoint.on_every_host each host's first rank too
+                path, seconds = written
+                self.report.emit("checkpoint", f"checkpoint: {path} ({seconds:.2f}s)", step=step, path=str(path),
+                                 seconds=seconds)
+            # Peers wait here, with a longer stall allowance, rather than in the next step's
+            # exchange, where a big model's slow save would look like a dead rank.
+            self.world.barrier("waiting for the checkpoint writers", patience=10)
+            self.hooks.call("on_checkpoint", self.engine.model, written[0] if written else None, step,
+                            kept=f"the checkpoint of step {step} was written before it")
 
     def restore(self, loaded: ckpt.Loaded | None, rolling_back: bool = False) -> None:
         """Rank 0 read the checkpoint (or nothing); every rank ends with rank 0's complete
