@@ -53,6 +53,7 @@ def test_estimate_zero3_shards_weights_plus_one_gathered_unit():
     assert b.weights == 2 * N + (4 + 2) * 10_000  # fp32 master shard + the gathered unit, fp32 and its bf16 copy
     assert b.whole_gradients == 4 * 10_000  # the unit's full fp32 gradient before reduce-scatter
     assert (b.gradients, b.optimizer, b.activations) == (2 * N, 4 * N, 7)  # only the stages' inputs are kept
+    assert b.update == 13 * N // 2  # the decay mask and the new p, m, v: the old p is the shard held anyway
     assert b.whole_model == 0  # never the whole model, outside the checkpoint writer
     writer = estimate(N, "weights", 0.5, 1, 0, gather_params=10_000, writer=True)
     assert writer.whole_model == 12 * N  # it gathers the whole weights and moments to save them

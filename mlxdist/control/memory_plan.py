@@ -17,12 +17,12 @@ bf16/fp16 compute copy the forward pass casts (0 for float32):
     none         (4 + c) N     8 N            4 N  (+ 4 N on 2+ ranks)    12 N
     optimizer    (4 + c) N     8 N f          4 N + 4 N f                max(17 N f, 4 N + N f)
     gradients    (4 + c) N     8 N f          4 N f                      max(17 N f, 4 N + N f)
-    weights      4 N f + c'G   8 N f          4 N f + 4 G                17 N f
+    weights      4 N f + (4+c) G  8 N f       4 N f                      13 N f
 
 - backward: the activations it keeps (below); the gradients it makes take their place as it
   goes, so they do not add (measured: the peak's floor was weights + adamw). It ends holding
-  the whole gradient tree, 4 N, under every mode built: MLX builds it whole, ZeRO-2 lets go
-  of it only while it is reduce-scattered (ZeRO-3 would hold one unit's, 4 G).
+  the whole gradient tree, 4 N, under data parallel, ZeRO-1 and ZeRO-2: MLX builds it whole,
+  ZeRO-2 lets go of it only while it is reduce-scattered (ZeRO-3 holds one stage's, 4 G).
 - the update, data parallel: the reducer's summed copy of the gradients beside the engine's
   (2+ ranks), and the compiled AdamW's new p, m, v beside the old ones (12 N).
 - the update, sharded: the reduced shard g (4 N f; ZeRO-1 still holds the whole tree too),
@@ -30,9 +30,13 @@ bf16/fp16 compute copy the forward pass casts (0 for float32):
   (12 N f) beside the old: 17 N f; then the all-gathered weights are set while the old ones
   are still held (4 N more, and p and the mask: N f), which is the higher of the two once a
   rank's shard is under about a quarter.
-- ZeRO-3 (not built) gathers one unit of G parameters at a time (the built-in LM: one
-  transformer block; a task: its largest parameter tensor) in the compute dtype (c' = 2, or 4
-  for float32), and holds that unit's full fp32 gradient until it is reduce-scattered.
+- ZeRO-3 gathers one stage of G parameters at a time (the built-in LM: a block, or the
+  vocab x dim embedding or head, whichever is larger; a task: its largest parameter tensor) in
+  fp32 beside its compute copy (c), holds that stage's fp32 gradient (4 G) until it is
+  reduce-scattered, and keeps only the stages' inputs for backward (activations as with
+  `model.grad_checkpoint_every=1`: one block's whole set live while it is recomputed). The
+  update is ZeRO-2's on the shard, with no all-gather after it. The checkpoint writer (rank 0)
+  gathers the whole weights and moments to save them: 12 N there, for that phase ("whole").
 
 Measured (MLX 0.32 on the CPU, `memory_peak_bytes` of steps 2-4; presets tiny, small and base,
 1 to 6 ranks on one host, seq_len 32 to 512, batches 1 to 64): 40 runs, each within 6% of this
@@ -143,7 +147,9 @@ def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
         g = min(gather_params, n)
         if staged_activation_bytes_per_sample is not None:
             act = micro_batch * staged_activation_bytes_per_sample
-        return Bytes(4 * shard + (4 + copy) * g, 4 * shard, 8 * shard, act, update, 4 * g, 12 * n if writer else 0)
+        # The update's p is the shard the rank holds anyway: the mask and the new p, m, v, 13 N f.
+        return Bytes(4 * shard + (4 + copy) * g, 4 * shard, 8 * shard, act, 13 * shard, 4 * g,
+                     12 * n if writer else 0)
     update = max(update, 4 * n + shard)  # the all-gathered weights set beside the old ones
     gradients = 4 * n + 4 * shard if mode == "optimizer" else 4 * shard
     return Bytes((4 + copy) * n, gradients, 8 * shard, act, update, 4 * n)
