@@ -40,8 +40,10 @@ happens inside the exchange, where ranks cannot redo alone); the planner sizes i
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -81,6 +83,97 @@ def check_stageable(cfg: Config, world: World, engine: Engine) -> list[list[str]
     return names
 
 
+class ExchangeThread:
+    """ZeRO-3's exchanges on a thread of their own, so the next stage's gather and the reduce
+    of the stage just left run while the compute works on the stage at hand. One round at a
+    time, in a schedule every rank runs alike; at most two stages' gathered weights wait at
+    once (the one computing and the next), so the prefetch costs a stage's memory, not the
+    model's. Only this thread uses the ring's communicator."""
+
+    def __init__(self, gather: Callable[[int], list], reduce: Callable[[int, list | None], None], watch):
+        self._gather, self._reduce, self._watch = gather, reduce, watch
+        self._rounds: queue.Queue = queue.Queue()
+        self._ready: queue.Queue = queue.Queue()
+        self._grads: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(2)
+        self._holding = False
+        self._done = threading.Event()
+        self._done.set()
+        self.error: BaseException | None = None
+        self.busy_s = self.waited_s = 0.0
+        threading.Thread(target=self._run, daemon=True, name="zero3-exchanges").start()
+
+    def reset_clock(self) -> None:
+        self.busy_s = self.waited_s = 0.0
+
+    def _run(self) -> None:
+        while True:
+            schedule, joining = self._rounds.get()
+            try:
+                for kind, s in schedule:
+                    if kind == "gather":
+                        if not joining:
+                            self._slots.acquire()
+                        t0 = time.perf_counter()
+                        out = self._gather(s)
+                        self.busy_s += time.perf_counter() - t0
+                        if not joining:
+                            self._ready.put((s, out))
+                    else:
+                        flats = keep = None
+                        if not joining:
+                            got, flats, keep = self._grads.get()  # keep: the arrays `flats` may view
+                            assert got == s, f"reduce of stage {got} where stage {s} is due"
+                        t0 = time.perf_counter()
+                        self._reduce(s, flats)
+                        self.busy_s += time.perf_counter() - t0
+                        del flats, keep
+            except BaseException as e:  # noqa: BLE001 - handed to the compute's thread, which raises it
+                self.error = e
+                self._ready.put(None)
+            finally:
+                self._done.set()
+
+    def start(self, schedule: list[tuple[str, int]], joining: bool) -> None:
+        """A round's exchanges; `joining`: this rank has no micro-batch for it (zero gradients,
+        nothing taken)."""
+        self._done.clear()
+        self._rounds.put((schedule, joining))
+
+    def _release(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._slots.release()
+
+    def take(self, s: int) -> list[np.ndarray]:
+        """Stage s's gathered weights (waiting for them if they are not there yet); the stage
+        taken before is done with."""
+        self._release()
+        t0 = time.perf_counter()
+        with self._watch(f"weight all-gather of stage {s} (ZeRO-3, ring)"):
+            got = self._ready.get()
+        self.waited_s += time.perf_counter() - t0
+        if got is None:
+            raise self.error
+        self._holding = True
+        return got[1]
+
+    def give(self, s: int, flats: list[np.ndarray], keep) -> None:
+        """Stage s's gradients (flat views of `keep`) to reduce; the stage is done with."""
+        self._release()
+        self._grads.put((s, flats, keep))
+
+    def finish(self, what: str) -> None:
+        """Wait for the round's last exchanges."""
+        self._release()
+        t0 = time.perf_counter()
+        with self._watch(what):
+            self._done.wait()
+        self.waited_s += time.perf_counter() - t0
+        if self.error is not None:
+            raise self.error
+
+
 class FullyShardedDataParallel(ShardedDataParallel):
     """ZeRO-2 whose weights are sharded too; the model computed stage by stage."""
 
@@ -93,18 +186,18 @@ class FullyShardedDataParallel(ShardedDataParallel):
         self.owners = [self._ranges(i) for i in range(len(self.names))]
         self.p = self._zeros()  # this rank's range of the weights: set by load_state_dict
         self.grad = np.zeros(0, np.float32)
-        self.exchange_s = 0.0
+        self.rounds_run = 0
         self._depth = 0  # whole_model's nesting
+        self.exchanges = ExchangeThread(self._gather_stage, self._reduce, world.watch)
         self.ops.hold_batches()
 
     def describe(self) -> str | None:
         return (super().describe().replace("AdamW state of", "weights, gradients and AdamW state of")
                 + f"; {len(self.stages)} stages, gathered one at a time")
 
-    # -- a stage's exchanges ------------------------------------------------------------
+    # -- a stage's exchanges (run on the exchange thread) --------------------------------
     def _gather_stage(self, s: int) -> list[np.ndarray]:
         """Stage s's whole weights (flat fp32), every rank's range of them."""
-        t0 = time.perf_counter()
         mine = self.ops.numpy(self.p)
         outs = []
         for i in self.stages[s]:
@@ -113,21 +206,17 @@ class FullyShardedDataParallel(ShardedDataParallel):
             buf[a:b] = mine[self.offsets[i] + a - self.lo:self.offsets[i] + b - self.lo]
             outs.append(buf)
         if self.ring_comm is not None:
-            with self.world.watch(f"weight all-gather of stage {s} (ZeRO-3, ring)"):
-                ring_allgather(self.ring_comm, outs, [self.owners[i] for i in self.stages[s]])
-        self.exchange_s += time.perf_counter() - t0
+            ring_allgather(self.ring_comm, outs, [self.owners[i] for i in self.stages[s]])
         return outs
 
-    def _fetch(self, s: int) -> list:
-        return [self.ops.array(buf.reshape(self.shapes[self.names[i]]))
-                for i, buf in zip(self.stages[s], self._gather_stage(s), strict=True)]
-
-    def _reduce(self, s: int, flats: list[np.ndarray]) -> None:
-        """Stage s's gradients summed over ranks; this rank's ranges added into its shard."""
-        t0 = time.perf_counter()
+    def _reduce(self, s: int, flats: list[np.ndarray] | None) -> None:
+        """Stage s's gradients (None: zeros, a round this rank joins) summed over ranks; this
+        rank's ranges added into its gradient shard."""
         idx = self.stages[s]
+        if flats is None:
+            flats = [np.zeros(self.offsets[i + 1] - self.offsets[i], np.float32) for i in idx]
         if self.ring_comm is not None:
-            got = self._ring_reduce_scatter(flats, idx)
+            got = self._ring_reduce_scatter(flats, idx, watch=False)
         else:
             got = np.concatenate([f[slice(*self.owners[i][0])] for i, f in zip(idx, flats, strict=True)])
         at = 0
@@ -136,34 +225,48 @@ class FullyShardedDataParallel(ShardedDataParallel):
             start = self.offsets[i] + a - self.lo
             self.grad[start:start + b - a] += got[at:at + b - a]
             at += b - a
-        self.exchange_s += time.perf_counter() - t0
+
+    def _schedule(self, backward: bool = True) -> list[tuple[str, int]]:
+        """A round's exchanges, in the order every rank runs them: the forward's gathers, then
+        backward's, each stage's gather before the reduce of the stage after it, so it runs
+        while that stage's backward computes (the last stage is gathered once for both)."""
+        last = len(self.stages) - 1
+        order = [("gather", s) for s in range(last + 1)]
+        if backward:
+            for s in range(last, -1, -1):
+                order += ([("gather", s - 1)] if s > 0 else []) + [("reduce", s)]
+        return order
+
+    # -- the compute's side ---------------------------------------------------------------
+    def _fetch(self, s: int) -> list:
+        return [self.ops.array(buf.reshape(self.shapes[self.names[i]]))
+                for i, buf in zip(self.stages[s], self.exchanges.take(s), strict=True)]
 
     def _hand(self, s: int, grads: list) -> None:
-        self._reduce(s, [self.ops.flat(i, g) for i, g in zip(self.stages[s], grads, strict=True)])
+        self.exchanges.give(s, [self.ops.flat(i, g) for i, g in zip(self.stages[s], grads, strict=True)], grads)
 
-    def _join(self) -> None:
-        """A micro-batch this rank does not have: the exchanges of one, with zero gradients
-        (the engine's order: gathers forward, then the last stage's reduce, then backward's
-        gather and reduce per stage)."""
-        last = len(self.stages) - 1
-        for s in range(last):
-            self._gather_stage(s)
-        for s in range(last, -1, -1):
-            self._gather_stage(s)
-            self._reduce(s, [np.zeros(self.offsets[i + 1] - self.offsets[i], np.float32) for i in self.stages[s]])
+    def _rounds(self, batches: list, run, backward: bool) -> list:
+        """`run(batch)` for each of this rank's batches, with their exchanges on the exchange
+        thread; as many rounds as the rank with the most batches (this one joins the rest)."""
+        rounds = max(self.world.allgather(len(batches)))  # every rank runs as many, so exchanges pair up
+        self.rounds_run, out = rounds, []
+        for k in range(rounds):
+            mine = k < len(batches)
+            self.exchanges.start(self._schedule(backward), joining=not mine)
+            if mine:
+                out.append(run(batches[k]))
+            self.exchanges.finish("the exchanges of a micro-batch another rank still computes" if not mine
+                                  else "the last exchanges of this micro-batch")
+        return out
 
     # -- the step ---------------------------------------------------------------------
     def step(self, engine: Engine, lr: float) -> StepStats:
         self.world.rendezvous("waiting for the other ranks to finish reading their batches")
         batches = self.ops.held_batches()
-        rounds = max(self.world.allgather(len(batches)))  # every rank runs as many, so exchanges pair up
         self.grad = np.zeros(self.hi - self.lo, np.float32)
-        self.exchange_s, t0 = 0.0, time.perf_counter()
-        for k in range(rounds):
-            if k < len(batches):
-                self.ops.staged(batches[k], self._fetch, self._hand)
-            else:
-                self._join()
+        self.exchanges.reset_clock()
+        t0 = time.perf_counter()
+        self._rounds(batches, lambda b: self.ops.staged(b, self._fetch, self._hand), backward=True)
         step_s = time.perf_counter() - t0
         local = self.ops.totals()
         loss_sum, count, *metrics = self.world.allreduce_sum([local.loss_sum, local.count,
@@ -171,12 +274,12 @@ class FullyShardedDataParallel(ShardedDataParallel):
         summed, self.grad = self.grad, np.zeros(0, np.float32)
         stats = self._update(engine, summed, loss_sum, int(count), lr)
         stats.metrics = means(local.metrics.names(), metrics)
-        stats.sync_seconds = self.exchange_s
-        stats.compute_seconds = step_s - self.exchange_s
+        stats.sync_seconds = self.exchanges.busy_s  # the exchanges' own time, partly beside the compute
+        stats.compute_seconds = step_s - self.exchanges.waited_s  # what the compute did not spend waiting
         # Per round: each stage's weights twice and its gradients once (a tied embedding counts
         # in two stages); what this rank's link carries is about (1 - f) of it.
         weights = sum(self.offsets[i + 1] - self.offsets[i] for stage in self.stages for i in stage)
-        stats.sync_bytes = rounds * weights * (8 + (4 if self.wire == "float32" else 2))
+        stats.sync_bytes = self.rounds_run * weights * (8 + (4 if self.wire == "float32" else 2))
         return stats
 
     def _shard_weights(self):
@@ -207,17 +310,8 @@ class FullyShardedDataParallel(ShardedDataParallel):
                 self.ops.drop_moments(self.t)  # a checkpoint writer was handed the whole moments
 
     def eval_losses(self, engine: Engine, batches: list, metrics) -> list[tuple[float, int]]:
-        """Forward only, stage by stage, as many rounds on every rank (one with fewer batches
-        joins the gathers of the rest)."""
-        rounds = max(self.world.allgather(len(batches)))
-        out = []
-        for k in range(rounds):
-            if k < len(batches):
-                out.append(self.ops.staged_eval(batches[k], self._fetch, metrics))
-            else:
-                for s in range(len(self.stages)):
-                    self._gather_stage(s)
-        return out
+        """Forward only, stage by stage, as many rounds on every rank as the step runs them."""
+        return self._rounds(batches, lambda b: self.ops.staged_eval(b, self._fetch, metrics), backward=False)
 
     def load_state_dict(self, shared, root, step, engine, optimizer_step):
         """ZeRO-1/2's (the moments' range), then this rank's range of the weights every rank

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -229,7 +230,7 @@ class ShardedDataParallel(DataParallel):
         a0, b0 = self.offsets[i], self.offsets[i + 1]
         return [(max(a, a0) - a0, min(b, b0) - a0) if min(b, b0) > max(a, a0) else (0, 0) for a, b in self.bounds]
 
-    def _ring_reduce_scatter(self, grads: list, indices: list[int] | None = None) -> np.ndarray:
+    def _ring_reduce_scatter(self, grads: list, indices: list[int] | None = None, watch: bool = True) -> np.ndarray:
         """The ring's first half straight from the gradients (no packed copy) of the parameters
         `indices` (default all), each one's ranges by owner; with `dist.wire_dtype` the
         gradients go as bf16/fp16 (a half-size copy) and each hop's sum is rounded to it, as
@@ -243,7 +244,7 @@ class ShardedDataParallel(DataParallel):
         owners = [self._ranges(i) for i in indices]
         mine = np.empty(sum(o[self.world.rank][1] - o[self.world.rank][0] for o in owners),
                         srcs[0].dtype if srcs else np.float32)
-        with self.world.watch(f"gradient reduce-scatter ({LEVELS[self.level]}, ring)"):
+        with self.world.watch(f"gradient reduce-scatter ({LEVELS[self.level]}, ring)") if watch else nullcontext():
             ring_reduce_scatter(self.ring_comm, srcs, owners, mine)
         if self.wire == "bfloat16":
             return (mine.astype(np.uint32) << 16).view(np.float32)
