@@ -151,8 +151,9 @@ class DistConfig:
     mode: str = field(default="ddp", metadata=_range(choices=("ddp", "diloco")))
     shard: str = field(default="none", metadata=_range(
         choices=("none", "optimizer", "gradients", "weights", "auto"),
-        help="data parallel, sharded: optimizer state (ZeRO-1), + gradients (ZeRO-2), + weights (ZeRO-3); "
-             "auto: the least that fits every rank's memory; shards sized to each rank's memory"))
+        help="data parallel, sharded: optimizer state (ZeRO-1), + gradients (ZeRO-2), + weights (ZeRO-3: a "
+             "model with stages(), run a stage at a time); auto: the least that fits every rank's "
+             "memory; shards sized to each rank's memory"))
     shard_split: str = field(default="memory", metadata=_range(
         choices=("memory", "equal"),
         help="shard sizes: in proportion to each rank's memory budget, or equal (the exchange's least wire time: "

@@ -54,7 +54,7 @@ def test_estimate_zero3_shards_weights_plus_one_gathered_unit():
     assert b.whole_gradients == 4 * 10_000  # the unit's full fp32 gradient before reduce-scatter
     assert (b.gradients, b.optimizer, b.activations) == (2 * N, 4 * N, 7)  # only the stages' inputs are kept
     assert b.update == 13 * N // 2  # the decay mask and the new p, m, v: the old p is the shard held anyway
-    assert b.whole_model == 0  # never the whole model, outside the checkpoint writer
+    assert b.whole_model == 4 * N  # the whole model, built at start before the slice is cut
     writer = estimate(N, "weights", 0.5, 1, 0, gather_params=10_000, writer=True)
     assert writer.whole_model == 12 * N  # it gathers the whole weights and moments to save them
     assert writer.total == 2 * N + 4 * 10_000 + 4 * N + 12 * N
@@ -126,10 +126,10 @@ def test_auto_picks_optimizer_when_only_sharding_adamw_fits():
 
 def test_auto_picks_gradients_then_weights_as_memory_shrinks():
     assert _plan_for([8.0, 0.9]).choice == "gradients"  # 8 N + 13 N f: 0.87 GiB (ZeRO-1: 12 N + 13 N f)
-    # ZeRO-3 on the small rank: 29 N f of shards and update, f = 0.024 (0.07 GiB), where ZeRO-2
-    # needs 8 N + more (0.75 GiB). Two 0.3 GiB ranks: 29 N / 2 = 1.35 GiB each, no mode fits.
-    assert _plan_for([8.0, 0.2]).choice == "weights"
-    assert _plan_for([0.3, 0.3]).choice is None
+    # ZeRO-3 on the small rank: 12 N f of shards (f = 0.06) and the whole model it builds at start
+    # (4 N = 0.37 GiB): fits 0.5 GiB, where ZeRO-2 needs 8 N + more (0.75 GiB); 0.2 GiB fits nothing.
+    assert _plan_for([8.0, 0.5]).choice == "weights"
+    assert _plan_for([8.0, 0.2]).choice is None
 
 
 def test_nothing_fits_names_the_rank_its_budget_and_its_need():

@@ -265,8 +265,6 @@ def test_bfloat16_on_the_wire_takes_the_ring_and_halves_the_gradient_bytes(tmp_p
 
 
 @pytest.mark.parametrize("args, line", [
-    (["dist.shard=weights", *TORCH], "a stage at a time on the MLX engine only; with --engine torch use "
-                                     "dist.shard=gradients"),
     (["dist.shard=weights"], "runs the model a stage at a time, but Sequential has no stages() (the built-in LM's"),
     (["dist.shard=weights", "task.args={batchnorm: true}"], "has buffers or frozen arrays"),
     (["dist.shard=weights", "task.factory=user_tasks:mlx_staged_mlp", "train.ema=0.9"], "with train.ema: the average"),

@@ -1,4 +1,4 @@
-"""ZeRO-3 (`dist.shard=weights`, MLX engine): the weights leave every rank but one shard, so
+"""ZeRO-3 (`dist.shard=weights`, MLX and torch engines): the weights leave every rank but one shard, so
 the step must compute from weights gathered a stage at a time, in exchanges that every rank
 joins whatever its micro-batches. If that bookkeeping slips (a stage gathered out of order, a
 rank's gradients added twice, a round a short rank skips), training still runs and the loss
@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import FAST, assert_same_weights, final_weights, run_train
 from test_sharded import SPLIT, UNEQUAL, _checkpoint, _events, _max_diff, _ok, _train
+
+from mlxdist.config import load_config
+from mlxdist.control.memory_plan import lm_facts, plan
 
 # The built-in tiny LM (771,456 parameters, 6 stages: embedding, 4 blocks, head), clipped
 # (grad_norm ~6 against 0.5). lr 3e-4: AdamW turns a near-zero gradient's rounding into an
@@ -140,10 +143,21 @@ def test_zero3_and_unsharded_checkpoints_resume_each_other(tmp_path, staged_one,
 # ---------------------------------------------------------------- dist.shard=auto
 @pytest.mark.cluster
 def test_auto_takes_zero3_when_nothing_less_fits(tmp_path):
-    """The tiny LM, micro-batch 4 on 2 ranks (python -m mlxdist.plan): ZeRO-2 needs 15,226,368
-    bytes a rank, ZeRO-3 14,421,760; a budget of 0.85 x 17.44 MB = 14.82 MB sits between."""
-    r = run_train([*FAST, "train.batch_size=4", "train.steps=2", "dist.shard=auto", f"train.out_dir={tmp_path}"],
-                  np_=2, extra_env={"MLXDIST_MEMORY_LIMIT_BYTES": "17440000"})
+    """The tiny LM, micro-batch 4 on 2 ranks: a memory limit midway between what the trainer's
+    own planner says ZeRO-2 and ZeRO-3 need (the table `python -m mlxdist.plan` prints)."""
+    args = [*FAST, "train.batch_size=4", "train.steps=2", "dist.shard=auto", f"train.out_dir={tmp_path}"]
+    cfg = load_config(None, args)
+    facts = lm_facts(cfg)
+
+    def need(mode: str, limit: int) -> int:
+        p = plan(cfg, [("vm", limit)] * 2, facts.n_params, facts.activation_bytes_per_sample,
+                 gather_params=facts.gather_params, staged_act_per_sample=facts.staged_activation_bytes_per_sample)
+        return max(b.total for b in p.needs[mode])
+
+    zero2, zero3 = need("gradients", 2**40), need("weights", 2**40)
+    assert zero3 < zero2, (zero3, zero2)
+    limit = int((zero2 + zero3) / 2 / cfg.control.memory_target)
+    r = run_train(args, np_=2, extra_env={"MLXDIST_MEMORY_LIMIT_BYTES": str(limit)})
     assert r.returncode == 0, r.stderr[-3000:]
     chose = "dist.shard=auto -> weights (ZeRO-3): the least sharding that fits; gradients does not"
     assert chose in r.stderr, r.stderr[-3000:]
@@ -152,3 +166,24 @@ def test_auto_takes_zero3_when_nothing_less_fits(tmp_path):
     assert [e["step"] for e in steps] == [1, 2] and steps[1]["loss"] < steps[0]["loss"]
     assert _events(tmp_path, "shard")[0]["mode"] == "weights"
     assert _checkpoint(tmp_path, 2).weights
+
+
+# ---------------------------------------------------------------- the torch engine
+@pytest.mark.cluster
+def test_torch_zero3_equals_one_process_evaluates_alike_and_resumes_unsharded(tmp_path):
+    """The torch twin of the built-in LM under ZeRO-3, micro-batches 1 | 5+2 (rank 0 joins the
+    second round), evaluating stage by stage: it ends where one torch process with 8 a step
+    does, evaluates the same losses, and its step-2 checkpoint resumes on one unsharded rank."""
+    torch_lm = [*LM, "--engine", "torch", "--device", "cpu", "train.eval_every=2", "train.eval_batches=3",
+                "train.batch_size=8", "checkpoint.every=2"]  # the same 3 eval batches of 8 for both runs
+    one, zero3, resumed = tmp_path / "one", tmp_path / "zero3", tmp_path / "resumed"
+    _ok(run_train([*torch_lm, f"train.out_dir={one}"]))
+    r = _ok(run_train([*torch_lm, *UNEVEN, ZERO3, f"train.out_dir={zero3}"], np_=2))
+    assert "ZeRO-3 (dist.shard=weights)" in r.stderr and "6 stages, gathered one at a time" in r.stderr, r.stderr
+    assert_same_weights(final_weights(one), final_weights(zero3), atol=1e-5)
+    evals = [[e["eval_loss"] for e in _events(d, "eval")] for d in (one, zero3)]
+    assert len(evals[0]) == 2 and evals[0] == pytest.approx(evals[1], abs=1e-5)
+    assert _max_diff(_checkpoint(one, 2).optimizer, _checkpoint(zero3, 2).optimizer) <= 1e-6
+    _ok(run_train([*torch_lm, f"train.out_dir={resumed}",
+                   "--resume", str(zero3 / "checkpoints" / "step_00000002")]))
+    assert_same_weights(final_weights(one), final_weights(resumed), atol=1e-5)

@@ -35,8 +35,11 @@ bf16/fp16 compute copy the forward pass casts (0 for float32):
   fp32 beside its compute copy (c), holds that stage's fp32 gradient (4 G) until it is
   reduce-scattered, and keeps only the stages' inputs for backward (activations as with
   `model.grad_checkpoint_every=1`: one block's whole set live while it is recomputed). The
-  update is ZeRO-2's on the shard, with no all-gather after it. The checkpoint writer (rank 0)
-  gathers the whole weights and moments to save them: 12 N there, for that phase ("whole").
+  update is ZeRO-2's on the shard, with no all-gather after it. "whole": every rank builds the
+  whole model at start and cuts its slice (4 N; counted beside the shards, a little high: at
+  start they are not cut yet); the checkpoint writer (rank 0) gathers the whole weights
+  and moments to save them (12 N). A resume hands every rank the whole moments too (12 N):
+  not counted.
 
 Measured (MLX 0.32 on the CPU, `memory_peak_bytes` of steps 2-4; presets tiny, small and base,
 1 to 6 ranks on one host, seq_len 32 to 512, batches 1 to 64): 40 runs, each within 6% of this
@@ -148,8 +151,10 @@ def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
         if staged_activation_bytes_per_sample is not None:
             act = micro_batch * staged_activation_bytes_per_sample
         # The update's p is the shard the rank holds anyway: the mask and the new p, m, v, 13 N f.
+        # Whole: every rank builds the whole model at start (4 N) before it cuts its slice; the
+        # checkpoint writer gathers the weights and moments to save (12 N).
         return Bytes(4 * shard + (4 + copy) * g, 4 * shard, 8 * shard, act, 13 * shard, 4 * g,
-                     12 * n if writer else 0)
+                     12 * n if writer else 4 * n)
     update = max(update, 4 * n + shard)  # the all-gathered weights set beside the old ones
     gradients = 4 * n + 4 * shard if mode == "optimizer" else 4 * shard
     return Bytes((4 + copy) * n, gradients, 8 * shard, act, update, 4 * n)
@@ -305,8 +310,8 @@ class Plan:
                              f"{self._n(b.total):>8}{self._n(r.budget):>8}  {ok}")
         key = ("peak = weights + adamw + the highest of: activ. (backward), the whole gradients (4 bytes a "
                "parameter, backward's end), grads + update (the update's temporaries), whole (ZeRO-3: the "
-               "whole weights and moments gathered to the checkpoint writer, rank 0, as it saves: 12 bytes a "
-               "parameter)")
+               "whole model every rank builds at start, 4 bytes a parameter; 12 on rank 0, which gathers the "
+               "weights and moments to save them)")
         return lines + ["", key] + self.notes + ([self.choice_line()] if choice else [])
 
     def unsharded_warning(self, can_shard: bool = True, auto: bool = True) -> str | None:

@@ -25,6 +25,7 @@ from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, Piece, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mlx_memory_limit, with_override
+from .staged import Output, Staged, model_input
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -216,7 +217,7 @@ class MLXEngine:
         stages = self.model.stages()
         data = self._arrays(batch.data)
         with sample_seeds_of(batch):
-            inputs = [_model_input(self.task_loss, self.model, data, self.task_name)]
+            inputs = [model_input(self.task_loss, self.model, data, self.task_name)]
             for i, (names, run) in enumerate(stages[:-1]):
                 inputs.append(self._stage(names, run, fetch(i), inputs[-1]))
                 mx.eval(inputs[-1])
@@ -225,7 +226,7 @@ class MLXEngine:
             last = len(stages) - 1
 
             def tail(weights, h):
-                return self._loss_of(_Output(self.model, self._stage(names, run, weights, h)), data)
+                return self._loss_of(Output(self.model, self._stage(names, run, weights, h)), data)
 
             (loss, totals, counts), (grads, back) = mx.value_and_grad(tail, argnums=(0, 1))(fetch(last), inputs.pop())
             mx.eval(loss, totals, counts, grads, back)
@@ -253,24 +254,14 @@ class MLXEngine:
 
     def staged_eval(self, batch, fetch: Callable[[int], list], metrics: MetricSums | None = None) -> tuple[float, int]:
         """`eval_loss` a stage at a time (forward only: each stage's weights fetched once)."""
-        batch = as_batch(batch)
-        stages = self.model.stages()
-        data = self._arrays(batch.data)
-        self.model.eval()
-        try:
-            with sample_seeds_of(batch):
-                h = _model_input(self.task_loss, self.model, data, self.task_name)
-                for i, (names, run) in enumerate(stages):
-                    h = self._stage(names, run, fetch(i), h)
-                    mx.eval(h)
-                    self._let_go(names)
-                loss, totals, counts = self._loss_of(_Output(self.model, h), data)
-                mx.eval(loss, totals, counts)
-        finally:
-            self.model.train()
-        if metrics is not None:
-            metrics.add(_pairs(totals, counts), _item)
-        return loss.item(), batch.count
+
+        def stage(i: int, names: list[str], call, x):
+            h = self._stage(names, call, fetch(i), x)
+            mx.eval(h)
+            self._let_go(names)
+            return h
+
+        return self._evaluate(batch, metrics, lambda data: self._loss_of(Staged(self.model, stage), data))
 
     def _stage(self, names: list[str], run, weights: list, x):
         if self.compute_dtype != mx.float32:
@@ -303,11 +294,16 @@ class MLXEngine:
 
     def eval_loss(self, batch, metrics: MetricSums | None = None) -> tuple[float, int]:
         self._whole("eval_loss")
+        return self._evaluate(batch, metrics, lambda data: self._loss(self.params, data))
+
+    def _evaluate(self, batch, metrics: MetricSums | None, loss_of: Callable) -> tuple[float, int]:
+        """(summed loss, units) of `loss_of(data)`, the model in eval mode and the batch's
+        sample seeds set; the task's metrics added into `metrics`."""
         batch = as_batch(batch)
         self.model.eval()
         try:
             with sample_seeds_of(batch):
-                loss, totals, counts = self._loss(self.params, self._arrays(batch.data))
+                loss, totals, counts = loss_of(self._arrays(batch.data))
                 mx.eval(loss, totals, counts)
         finally:
             self.model.train()
@@ -439,48 +435,6 @@ class MLXEngine:
 
 
 _NOTHING = mx.zeros((0,), mx.float32)
-
-
-class _Input(Exception):
-    def __init__(self, x):
-        self.x = x
-
-
-class _Inputs:
-    """Stands in for the model while the task's loss is run to see what it calls the model
-    with (the first stage's input); the call goes no further."""
-
-    def __init__(self, model):
-        self._model = model
-
-    def __call__(self, x, *args, **kwargs):
-        if args or kwargs:
-            raise TaskError("dist.shard=weights: the task's loss calls the model with more than one input; a "
-                            "staged run feeds the first stage one array")
-        raise _Input(x)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
-class _Output(_Inputs):
-    """Stands in for the model in the task's loss: its call returns the last stage's output."""
-
-    def __init__(self, model, out):
-        super().__init__(model)
-        self._out = out
-
-    def __call__(self, *args, **kwargs):
-        return self._out
-
-
-def _model_input(loss: Callable, model, data, task: str):
-    try:
-        loss(_Inputs(model), data)
-    except _Input as got:
-        return got.x
-    raise TaskError(f"task {task}: dist.shard=weights runs the model stage by stage, but its loss never calls the "
-                    "model; use dist.shard=gradients")
 
 
 class MLXShardOps:

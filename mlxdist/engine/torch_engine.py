@@ -37,6 +37,7 @@ from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, Piece, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mps_reading, process_reading, with_override
+from .staged import Output, Staged, model_input
 from .torch_grads import ParamGradients
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -232,6 +233,11 @@ class TorchEngine:
         self._touched: set[str] = set()
         self.mark_state()
         self._reset_accumulators()
+        self._held: list | None = None  # dist.shard=weights: micro-batches wait for the strategy's step
+        self.released = False  # dist.shard=weights: the strategy holds the weights, in shards
+        self._by_name = dict(zip(self._names, self._params, strict=True))
+        self._shapes = {n: tuple(p.shape) for n, p in self._by_name.items()}
+        self._nothing = torch.empty(0, device=self.dev)
 
     # ---------------------------------------------------------------- helpers
     def _make_optimizers(self, task: Task) -> list[torch.optim.Optimizer]:
@@ -300,16 +306,19 @@ class TorchEngine:
                          for o in self.optimizers)
 
     def get_weights(self) -> dict[str, np.ndarray]:
+        self._whole("get_weights")
         # Copies: on the CPU `.numpy()` would alias the live parameters, and a checkpoint
         # written in the background would then see later updates.
         return {n: _ours(n, _to_numpy(p)) for n, p in zip(self._names, self._params, strict=True)}
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        check_weights({n: tuple(p.shape)[::-1] if _flipped(n) else tuple(p.shape)
-                       for n, p in zip(self._names, self._params, strict=True)}, weights)
+        check_weights({n: s[::-1] if _flipped(n) else s for n, s in self._shapes.items()}, weights)
         with torch.no_grad():
             for name, p in zip(self._names, self._params, strict=True):
+                if self.released:
+                    p.data = torch.empty(self._shapes[name], device=self.dev)
                 p.copy_(torch.from_numpy(_ours(name, np.asarray(weights[name], dtype=np.float32))))
+        self.released = False
 
     # -- the rest of the model's state: a task's buffers and frozen weights ------------
     def _state_tensors(self) -> dict[str, torch.Tensor]:
@@ -365,6 +374,7 @@ class TorchEngine:
         return Path(out_dir)
 
     def weight_checksum(self) -> int:
+        self._whole("weight_checksum")
         return checksum(_to_numpy(p) for p in self._params)
 
     def memory(self) -> MemoryReading:
@@ -458,6 +468,9 @@ class TorchEngine:
         return TorchShardOps(self)
 
     def micro_step(self, batch) -> None:
+        if self._held is not None:
+            self._held.append(as_batch(batch))
+            return
         loss, n = self._summed_loss(self._forward, as_batch(batch))
         if self.scaler is not None:
             if not self._scaler_ready:
@@ -532,6 +545,97 @@ class TorchEngine:
         self._grads.on_gradient_ready(None)  # the retry's early micro-batches must not look final
         self._zero_grad()
         self._reset_accumulators()
+        if self._held is not None:
+            self._held = []
+
+    # -- dist.shard=weights: the model stage by stage (sync/fully_sharded.py) ------------
+    def staged_step(self, batch, fetch: Callable[[int], list], hand: Callable[[int, list], None]) -> None:
+        """The MLX engine's `staged_step` in torch: each stage's forward without a graph, then
+        backward stage by stage, each recomputed from its input with `torch.autograd.grad`
+        (the parameters' storage is the fetched weights while the stage runs)."""
+        batch = as_batch(batch)
+        stages = self.model.stages()
+        data = tree_map(self._to_device, batch.data)
+        last = len(stages) - 1
+        with sample_seeds_of(batch):
+            inputs = [model_input(self.task_loss, self.model, data, self.task_name)]
+            with torch.no_grad():
+                for i, (names, call) in enumerate(stages[:-1]):
+                    inputs.append(self._stage(names, call, fetch(i), inputs[-1]))
+                    self._let_go(names)
+            names, call = stages[-1]
+            with torch.enable_grad():
+                h = inputs.pop().detach().requires_grad_()
+                out = self._stage(names, call, fetch(last), h)
+                with self._autocast():
+                    loss, found = split_loss(self.task_loss(Output(self.model, out), data), self.task_name)
+                loss = check_scalar(loss, self.task_name).float()
+                grads = self._grad(loss, names, h, None)
+            self._let_go(names)
+            hand(last, grads[:-1])
+            back = grads[-1]
+            for i in reversed(range(last)):
+                names, call = stages[i]
+                x = inputs.pop()
+                floating = x.is_floating_point()
+                with torch.enable_grad():
+                    x = x.detach().requires_grad_(floating)
+                    grads = self._grad(self._stage(names, call, fetch(i), x), names, x if floating else None, back)
+                self._let_go(names)
+                hand(i, grads[:len(names)])
+                back = grads[len(names)] if floating else None
+        self._loss_sum += loss.detach()
+        self._tokens += batch.count
+        if found:
+            self._metrics.add(found, _float)
+
+    def _grad(self, out: torch.Tensor, names: list[str], x: torch.Tensor | None, back) -> list[torch.Tensor]:
+        """Gradients of `out` (given its own, `back`) for the named parameters, then `x`'s."""
+        wrt = [self._by_name[n] for n in names] + ([x] if x is not None else [])
+        got = torch.autograd.grad(out, wrt, grad_outputs=back, allow_unused=True)
+        return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt, strict=True)]
+
+    @torch.no_grad()
+    def staged_eval(self, batch, fetch: Callable[[int], list], metrics: MetricSums | None = None) -> tuple[float, int]:
+        def stage(i: int, names: list[str], call, x):
+            h = self._stage(names, call, fetch(i), x)
+            self._let_go(names)
+            return h
+
+        self.model.eval()
+        try:
+            loss, n = self._summed_loss(Staged(self.model, stage), as_batch(batch), metrics or MetricSums())
+        finally:
+            self.model.train()
+        return float(loss), n
+
+    def _stage(self, names: list[str], call, weights: list, x):
+        for n, w in zip(names, weights, strict=True):
+            self._by_name[n].data = w
+        with self._autocast():
+            return call(x)
+
+    def _let_go(self, names: list[str]) -> None:
+        for n in names:
+            self._by_name[n].data = self._nothing
+
+    def hold_batches(self) -> None:
+        self._held = []
+
+    def held_batches(self) -> list:
+        held, self._held = self._held, []
+        return held
+
+    def release_weights(self) -> None:
+        """The strategy holds the weights in shards: the parameters keep no storage, and
+        anything that would read them says so instead (`_whole`)."""
+        self._let_go(self._names)
+        self.released = True
+
+    def _whole(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{what}: the weights are in shards (dist.shard=weights); the strategy gathers "
+                               "them first (SyncStrategy.whole_model)")
 
     # -- overlap: a sync strategy may start sending gradients while backward still runs ----
     # The gradient sum reads gradients through these (engine/torch_grads.py).
@@ -555,6 +659,7 @@ class TorchEngine:
 
     @torch.no_grad()
     def eval_loss(self, batch, metrics: MetricSums | None = None) -> tuple[float, int]:
+        self._whole("eval_loss")
         self.model.eval()
         try:
             loss, n = self._summed_loss(self._forward, as_batch(batch), metrics or MetricSums())
@@ -564,6 +669,7 @@ class TorchEngine:
 
     @torch.no_grad()
     def logits(self, tokens: np.ndarray) -> np.ndarray:
+        self._whole("logits")
         with self._autocast():
             out = self.model(self._to_device(tokens).long())
         return out.float().cpu().numpy()
@@ -643,6 +749,32 @@ class TorchShardOps:
                   steps, **self._how, amsgrad=False, beta1=c.beta1, beta2=c.beta2, lr=lr,
                   weight_decay=c.weight_decay if decay else 0.0, eps=c.eps, maximize=False)
         return p, m, v
+
+    # -- ZeRO-3 (`sync/fully_sharded.py`): the model stage by stage ------------------
+    def stage_names(self) -> list[list[str]] | None:
+        stages = getattr(self.engine.model, "stages", None)
+        return None if stages is None else [list(names) for names, _ in stages()]
+
+    def hold_batches(self) -> None:
+        self.engine.hold_batches()
+
+    def held_batches(self) -> list:
+        return self.engine.held_batches()
+
+    def staged(self, batch, fetch, hand) -> None:
+        self.engine.staged_step(batch, fetch, hand)
+
+    def staged_eval(self, batch, fetch, metrics) -> tuple[float, int]:
+        return self.engine.staged_eval(batch, fetch, metrics)
+
+    def totals(self) -> LocalGradients:
+        e = self.engine
+        out = LocalGradients([], float(e._loss_sum), e._tokens, e._metrics)
+        e._reset_accumulators()
+        return out
+
+    def release(self) -> None:
+        self.engine.release_weights()
 
     def drop_moments(self, step: int) -> None:
         self.engine.optimizers[0].state.clear()

@@ -8,6 +8,8 @@ is there to reproduce what MLX does; `tests/test_torch.py` compares logits again
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,7 +136,18 @@ class Transformer(nn.Module):
         recompute = bool(k) and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             h = checkpoint(layer, h, use_reentrant=False) if recompute and i % k == 0 else layer(h)
+        return self._out(h)
+
+    def _out(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)
         if self.args.tie_embeddings:
             return F.linear(h, self.embed.weight)
         return self.head(h)
+
+    def stages(self) -> list[tuple[list[str], Callable[[torch.Tensor], torch.Tensor]]]:
+        """The forward pass as a chain of calls with the parameters each reads, as the MLX
+        twin's `stages()` (what `dist.shard=weights` runs)."""
+        head = ["norm.weight", "embed.weight" if self.args.tie_embeddings else "head.weight"]
+        blocks = [([f"layers.{i}.{n}" for n, _ in layer.named_parameters()], layer)
+                  for i, layer in enumerate(self.layers)]
+        return [(["embed.weight"], self.embed), *blocks, (head, self._out)]

@@ -1,4 +1,4 @@
-"""Fully sharded data parallel (`dist.shard=weights`, ZeRO-3, FSDP's idea), MLX engine.
+"""Fully sharded data parallel (`dist.shard=weights`, ZeRO-3, FSDP's idea), both engines.
 
 ZeRO-2 (`sharded.py`) with the weights cut too: rank r keeps only its range [a_r, b_r) of the
 fp32 weights, beside its range of the moments and of the summed gradient, cut by memory budget
@@ -32,8 +32,11 @@ for the save (12 N bytes there, for that phase), and rank 0 for a task's `on_eva
 parallel's, so a ZeRO-3 run resumes on any number of ranks, sharded or not, and the other way
 round.
 
-Not here (one line at start instead): the torch engine, models without `stages()` (a task's,
-a pretrained `model.path`), LoRA, models with buffers, `train.ema`, a task's own optimizer.
+Each engine runs the stages its own way (`staged_step`: MLX with `mx.vjp` per stage, torch
+with `torch.autograd.grad`), through `engine.shard_ops()` (`engine.base.StagedOps`), so this
+module knows neither framework. Not here (one line at start instead): models without
+`stages()` (a task's, a pretrained `model.path`), LoRA, models with buffers, `train.ema`, a
+task's own optimizer, torch's fp16 GradScaler.
 An out-of-memory inside the step is not retried with a smaller micro-batch (the computing
 happens inside the exchange, where ranks cannot redo alone); the planner sizes it.
 """
@@ -59,8 +62,6 @@ from .sharded import ShardedDataParallel
 def check_stageable(cfg: Config, world: World, engine: Engine) -> list[list[str]]:
     """The model's stages, or one line for what ZeRO-3 cannot run."""
     why = "dist.shard=weights (ZeRO-3) runs the model a stage at a time"
-    if engine.name != "mlx":
-        raise world.agreed_error(f"{why} on the MLX engine only; with --engine {engine.name} use dist.shard=gradients")
     if cfg.finetune.method != "full":
         raise world.agreed_error(f"dist.shard=weights with finetune.method={cfg.finetune.method}: only the adapters "
                                  "train, and they are small; use dist.shard=gradients (or none)")
@@ -192,8 +193,12 @@ class FullyShardedDataParallel(ShardedDataParallel):
         self.ops.hold_batches()
 
     def describe(self) -> str | None:
-        return (super().describe().replace("AdamW state of", "weights, gradients and AdamW state of")
-                + f"; {len(self.stages)} stages, gathered one at a time")
+        line = (super().describe().replace("AdamW state of", "weights, gradients and AdamW state of")
+                + f"; {len(self.stages)} stages, gathered one at a time; no weight-drift check (one copy of "
+                "each weight)")
+        if self.cfg.model.grad_checkpoint_every:
+            line += "; model.grad_checkpoint_every does nothing here (every block is recomputed anyway)"
+        return line
 
     # -- a stage's exchanges (run on the exchange thread) --------------------------------
     def _gather_stage(self, s: int) -> list[np.ndarray]:

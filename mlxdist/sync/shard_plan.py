@@ -40,7 +40,7 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], b
         if mp.choice is None:
             raise world.agreed_error(mp.no_fit_line())
         built = ("none", "optimizer", "gradients") if engine.name in AUTO_ENGINES else ("none",)
-        if engine.name == "mlx" and engine.shard_ops().stage_names() is not None:
+        if engine.name in AUTO_ENGINES and engine.shard_ops().stage_names() is not None:
             built += ("weights",)  # ZeRO-3 runs a model with stages() (the built-in LM's presets)
         if mp.choice not in built:
             raise world.agreed_error(f"{mp.choice_line()}; this model cannot run it (the {engine.name} engine shards "

@@ -1,0 +1,76 @@
+"""A model run stage by stage (`dist.shard=weights`, `sync/fully_sharded.py`), framework-free.
+
+A model that offers `stages()` -> [(parameter names, callable), ...] (the calls, composed, are
+its forward pass) can run one stage's weights at a time. The task's loss still calls the
+model as a whole, so the engines hand it stand-ins: one that only records what the loss feeds
+the model (the first stage's input), one whose call returns what the last stage computed, and
+one whose call runs the stages itself (evaluation: forward only). Each passes any other
+attribute through to the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..tasks import TaskError
+
+
+class _Input(Exception):
+    def __init__(self, x: Any):
+        self.x = x
+
+
+class _StandIn:
+    def __init__(self, model: Any):
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    @staticmethod
+    def _one_input(args: tuple, kwargs: dict) -> None:
+        if args or kwargs:
+            raise TaskError("dist.shard=weights: the task's loss calls the model with more than one input; a "
+                            "staged run feeds the first stage one array")
+
+
+class _Recorder(_StandIn):
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        self._one_input(args, kwargs)
+        raise _Input(x)
+
+
+class Output(_StandIn):
+    """The model as the loss sees it when the last stage's output is already computed."""
+
+    def __init__(self, model: Any, out: Any):
+        super().__init__(model)
+        self._out = out
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._out
+
+
+class Staged(_StandIn):
+    """The model as the loss sees it, each stage run by `run(i, names, call, x)`."""
+
+    def __init__(self, model: Any, run: Callable[[int, list[str], Callable, Any], Any]):
+        super().__init__(model)
+        self._run = run
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        self._one_input(args, kwargs)
+        for i, (names, call) in enumerate(self._model.stages()):
+            x = self._run(i, names, call, x)
+        return x
+
+
+def model_input(loss: Callable, model: Any, data: Any, task: str) -> Any:
+    """What the task's loss feeds the model (the first stage's input), without computing."""
+    try:
+        loss(_Recorder(model), data)
+    except _Input as got:
+        return got.x
+    raise TaskError(f"task {task}: dist.shard=weights runs the model stage by stage, but its loss never calls the "
+                    "model; use dist.shard=gradients")
