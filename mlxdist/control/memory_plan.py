@@ -45,7 +45,8 @@ Measured (MLX 0.32 on the CPU, `memory_peak_bytes` of steps 2-4; presets tiny, s
 1 to 6 ranks on one host, seq_len 32 to 512, batches 1 to 64): 40 runs, each within 6% of this
 estimate (`python -m mlxdist.bench shard`'s 125M `base` on 2 ranks: data parallel 4012 MB
 measured, 4008 estimated, was 2038 before the update's temporaries were counted; ZeRO-1 2818,
-2818; ZeRO-2 2317, 2317). In units of N, float32: data parallel 28 N on one rank and 32 N on
+2818; ZeRO-2 2317, 2317; ZeRO-3 1816 measured, 1858 estimated, at 3 ranks 1211 and 1253: high
+by the one gathered block counted beside the update). In units of N, float32: data parallel 28 N on one rank and 32 N on
 two or more; ZeRO-1 8 N + 29 N f; ZeRO-2 4 N + 29 N f; at 6 ranks ZeRO-1 14.2 N and ZeRO-2
 10.2 N (the all-gather's point). bfloat16 (small, 2 checks): within 1% at the update, 4% low
 with large activations.
