@@ -25,7 +25,7 @@ from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, Piece, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mlx_memory_limit, with_override
-from .staged import Output, Staged, model_input
+from .staged import HoldsBatches, Output, Staged, StagedShardOps, model_input
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -53,7 +53,7 @@ def adamw(p, m, v, g, decay, scalars, hp):
     return p, m, v
 
 
-class MLXEngine:
+class MLXEngine(HoldsBatches):
     name = "mlx"
 
     def __init__(self, cfg: Config, task: Task | None = None, args=None, micro_batch: int = 0):
@@ -82,8 +82,6 @@ class MLXEngine:
         self._reset_accumulators()
         self._touched: set[str] = set()
         self.mark_state()
-        self._held: list | None = None  # dist.shard=weights: micro-batches wait for the strategy's step
-        self.released = False  # dist.shard=weights: the strategy holds the weights, in shards
 
     def _make_optimizer(self, task: Task):
         """The task's own `mlx.optimizers.Optimizer`, initialised on the trained parameters,
@@ -273,24 +271,12 @@ class MLXEngine:
         """The module lets go of a stage's gathered weights (it keeps what it was last given)."""
         self.model.update(tree_unflatten([(n, _NOTHING) for n in names]))
 
-    def hold_batches(self) -> None:
-        self._held = []
-
-    def held_batches(self) -> list:
-        held, self._held = self._held, []
-        return held
-
     def release_weights(self) -> None:
         """The strategy holds the weights in shards now: lazy zeros stand in (no memory), and
         anything that would read them says so instead (`_whole`)."""
         self.params = {n: mx.zeros(self.params[n].shape, mx.float32) for n in self.names}
         self._let_go(self.names)
         self.released = True
-
-    def _whole(self, what: str) -> None:
-        if self.released:
-            raise RuntimeError(f"{what}: the weights are in shards (dist.shard=weights); the strategy gathers "
-                               "them first (SyncStrategy.whole_model)")
 
     def eval_loss(self, batch, metrics: MetricSums | None = None) -> tuple[float, int]:
         self._whole("eval_loss")
@@ -437,7 +423,7 @@ class MLXEngine:
 _NOTHING = mx.zeros((0,), mx.float32)
 
 
-class MLXShardOps:
+class MLXShardOps(StagedShardOps):
     """`engine.base.ShardOps` for the MLX engine, whose layout is checkpoint layout. The update
     is `adamw` above, compiled once for a flat shard, its decay a mask over the shard's pieces."""
 
@@ -485,33 +471,6 @@ class MLXShardOps:
         mx.eval(p, m, v)
         return p, m, v
 
-    # -- ZeRO-3 (`sync/fully_sharded.py`): the model stage by stage ------------------
-    def stage_names(self) -> list[list[str]] | None:
-        """Each stage's parameters in `model.stages()`' order, or None for a model without stages."""
-        stages = getattr(self.engine.model, "stages", None)
-        return None if stages is None else [list(names) for names, _ in stages()]
-
-    def hold_batches(self) -> None:
-        self.engine.hold_batches()
-
-    def held_batches(self) -> list:
-        return self.engine.held_batches()
-
-    def staged(self, batch, fetch, hand) -> None:
-        self.engine.staged_step(batch, fetch, hand)
-
-    def staged_eval(self, batch, fetch, metrics) -> tuple[float, int]:
-        return self.engine.staged_eval(batch, fetch, metrics)
-
-    def totals(self) -> LocalGradients:
-        """The step's loss, units and metrics (its gradients went to `hand`)."""
-        e = self.engine
-        out = LocalGradients([], float(e._loss_sum.item()), e._tokens, e._metrics)
-        e._reset_accumulators()
-        return out
-
-    def release(self) -> None:
-        self.engine.release_weights()
 
     def drop_moments(self, step: int) -> None:
         """Lazy zeros: never evaluated, so no memory."""

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..tasks import TaskError
+from ..tasks import Batch, TaskError
+from .base import LocalGradients
 
 
 class _Input(Exception):
@@ -74,3 +75,57 @@ def model_input(loss: Callable, model: Any, data: Any, task: str) -> Any:
         return got.x
     raise TaskError(f"task {task}: dist.shard=weights runs the model stage by stage, but its loss never calls the "
                     "model; use dist.shard=gradients")
+
+
+class HoldsBatches:
+    """What an engine adds for ZeRO-3: micro-batches held for the strategy's step, and weights
+    that may be released (`release_weights`), after which reading them is an error, not zeros."""
+
+    _held: list | None = None
+    released: bool = False
+
+    def hold_batches(self) -> None:
+        self._held = []
+
+    def held_batches(self) -> list[Batch]:
+        held, self._held = self._held, []
+        return held
+
+    def _whole(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{what}: the weights are in shards (dist.shard=weights); the strategy gathers "
+                               "them first (SyncStrategy.whole_model)")
+
+
+class StagedShardOps:
+    """`engine.base.StagedOps`' part that is the same for both engines: it hands on to the
+    engine (`HoldsBatches` and its `staged_step`, `staged_eval`, `release_weights`)."""
+
+    engine: Any
+
+    def stage_names(self) -> list[list[str]] | None:
+        """Each stage's parameters in `model.stages()`' order, or None for a model without stages."""
+        stages = getattr(self.engine.model, "stages", None)
+        return None if stages is None else [list(names) for names, _ in stages()]
+
+    def hold_batches(self) -> None:
+        self.engine.hold_batches()
+
+    def held_batches(self) -> list[Batch]:
+        return self.engine.held_batches()
+
+    def staged(self, batch: Batch, fetch: Callable, hand: Callable) -> None:
+        self.engine.staged_step(batch, fetch, hand)
+
+    def staged_eval(self, batch: Batch, fetch: Callable, metrics) -> tuple[float, int]:
+        return self.engine.staged_eval(batch, fetch, metrics)
+
+    def totals(self) -> LocalGradients:
+        """The step's loss, units and metrics (its gradients went to `hand`)."""
+        e = self.engine
+        out = LocalGradients([], float(e._loss_sum), e._tokens, e._metrics)
+        e._reset_accumulators()
+        return out
+
+    def release(self) -> None:
+        self.engine.release_weights()

@@ -37,7 +37,7 @@ from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, Piece, StepStats, as_batch, check_scalar, nothing_to_learn
 from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mps_reading, process_reading, with_override
-from .staged import Output, Staged, model_input
+from .staged import HoldsBatches, Output, Staged, StagedShardOps, model_input
 from .torch_grads import ParamGradients
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -162,7 +162,7 @@ def _ours(name: str, a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.T) if _flipped(name) else a
 
 
-class TorchEngine:
+class TorchEngine(HoldsBatches):
     """Engine protocol (`engine/base.py`) on one torch device."""
 
     name = "torch"
@@ -233,8 +233,6 @@ class TorchEngine:
         self._touched: set[str] = set()
         self.mark_state()
         self._reset_accumulators()
-        self._held: list | None = None  # dist.shard=weights: micro-batches wait for the strategy's step
-        self.released = False  # dist.shard=weights: the strategy holds the weights, in shards
         self._by_name = dict(zip(self._names, self._params, strict=True))
         self._shapes = {n: tuple(p.shape) for n, p in self._by_name.items()}
         self._nothing = torch.empty(0, device=self.dev)
@@ -619,23 +617,12 @@ class TorchEngine:
         for n in names:
             self._by_name[n].data = self._nothing
 
-    def hold_batches(self) -> None:
-        self._held = []
-
-    def held_batches(self) -> list:
-        held, self._held = self._held, []
-        return held
-
     def release_weights(self) -> None:
         """The strategy holds the weights in shards: the parameters keep no storage, and
         anything that would read them says so instead (`_whole`)."""
         self._let_go(self._names)
         self.released = True
 
-    def _whole(self, what: str) -> None:
-        if self.released:
-            raise RuntimeError(f"{what}: the weights are in shards (dist.shard=weights); the strategy gathers "
-                               "them first (SyncStrategy.whole_model)")
 
     # -- overlap: a sync strategy may start sending gradients while backward still runs ----
     # The gradient sum reads gradients through these (engine/torch_grads.py).
@@ -682,7 +669,7 @@ class TorchEngine:
                              temperature, seed, context or self.cfg.data.seq_len, stop, on_token)
 
 
-class TorchShardOps:
+class TorchShardOps(StagedShardOps):
     """`engine.base.ShardOps` for the torch engine. LoRA factors turn to checkpoint layout on
     the way out (gradients, weights) and back in `set_weights`/`set_optimizer_state`. The
     update is torch's own functional AdamW, what `torch.optim.AdamW.step` runs, with the
@@ -750,31 +737,6 @@ class TorchShardOps:
                   weight_decay=c.weight_decay if decay else 0.0, eps=c.eps, maximize=False)
         return p, m, v
 
-    # -- ZeRO-3 (`sync/fully_sharded.py`): the model stage by stage ------------------
-    def stage_names(self) -> list[list[str]] | None:
-        stages = getattr(self.engine.model, "stages", None)
-        return None if stages is None else [list(names) for names, _ in stages()]
-
-    def hold_batches(self) -> None:
-        self.engine.hold_batches()
-
-    def held_batches(self) -> list:
-        return self.engine.held_batches()
-
-    def staged(self, batch, fetch, hand) -> None:
-        self.engine.staged_step(batch, fetch, hand)
-
-    def staged_eval(self, batch, fetch, metrics) -> tuple[float, int]:
-        return self.engine.staged_eval(batch, fetch, metrics)
-
-    def totals(self) -> LocalGradients:
-        e = self.engine
-        out = LocalGradients([], float(e._loss_sum), e._tokens, e._metrics)
-        e._reset_accumulators()
-        return out
-
-    def release(self) -> None:
-        self.engine.release_weights()
 
     def drop_moments(self, step: int) -> None:
         self.engine.optimizers[0].state.clear()
