@@ -281,11 +281,15 @@ class FullyShardedDataParallel(ShardedDataParallel):
         stats.metrics = means(local.metrics.names(), metrics)
         stats.sync_seconds = self.exchanges.busy_s  # the exchanges' own time, partly beside the compute
         stats.compute_seconds = step_s - self.exchanges.waited_s  # what the compute did not spend waiting
-        # Per round: each stage's weights twice and its gradients once (a tied embedding counts
-        # in two stages); what this rank's link carries is about (1 - f) of it.
-        weights = sum(self.offsets[i + 1] - self.offsets[i] for stage in self.stages for i in stage)
-        stats.sync_bytes = self.rounds_run * weights * (8 + (4 if self.wire == "float32" else 2))
+        # Per round, the schedule's: each stage's weights twice (the last once) and its gradients
+        # once, a tied embedding in both its stages; this rank's link carries about (1 - f) of it.
+        wire = 4 if self.wire == "float32" else 2
+        stats.sync_bytes = self.rounds_run * sum((4 if kind == "gather" else wire) * self._size(s)
+                                                 for kind, s in self._schedule())
         return stats
+
+    def _size(self, s: int) -> int:
+        return sum(self.offsets[i + 1] - self.offsets[i] for i in self.stages[s])
 
     def _shard_weights(self):
         return self.p
