@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import math
 import re
 import types
 import typing
@@ -191,6 +192,9 @@ class ControlConfig:
     balance_hysteresis: float = field(default=0.05, metadata=_range(0.0, 1.0))
     clear_cache_every: int = field(default=100, metadata=_range(0))
     max_bad_steps: int = field(default=3, metadata=_range(1))
+    max_nonfinite_steps: int = field(default=10, metadata=_range(1, help=(
+        "stop the run (non-zero exit) after this many updates in a row skipped for a non-finite loss or "
+        "gradient norm on any rank; rollbacks do not reset the count")))
     health_window: int = field(default=50, metadata=_range(2))
     loss_variance_warn: float | None = field(default=None, metadata=_range(0.0))
     plateau_patience: int = field(default=0, metadata=_range(0))
@@ -321,6 +325,10 @@ def _coerce(value: Any, tp: Any, where: str, warnings: list[str] | None = None) 
 
 def _check_range(f: dataclasses.Field, value: Any, where: str) -> None:
     meta = f.metadata
+    if isinstance(value, float) and not math.isfinite(value):  # NaN passes every `<` and `>` check
+        raise ConfigError(f"{where}: {value!r} is not a finite number; give a number"
+                          + (f" from {meta['lo']}" if meta.get("lo") is not None else "")
+                          + (f" to {meta['hi']}" if meta.get("hi") is not None else ""))
     if value is None or not meta:
         return
     if meta.get("choices") and value not in meta["choices"]:

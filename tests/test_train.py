@@ -57,7 +57,9 @@ def test_resume_skips_corrupt_newest(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "step_00000006 is unusable" in r.stderr and "falling back" in r.stderr
     assert "resumed from" in r.stderr and "(step 3" in r.stderr
-    assert newest.exists()
+    # Moved aside, whole as it was, before this run saved its own step 6.
+    aside = tmp_path / "checkpoints" / "unverified_step_00000006" / "optimizer.safetensors"
+    assert aside.exists() and "moved aside to checkpoints/unverified_step_00000006" in r.stderr
 
 
 def test_generate_from_checkpoint(tmp_path):

@@ -48,7 +48,7 @@ class Controllers:
         return cls(
             schedule=LRSchedule(t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, t.schedule),
             health=HealthMonitor(window=c.health_window, variance_warn=c.loss_variance_warn,
-                                 max_bad_steps=c.max_bad_steps),
+                                 max_bad_steps=c.max_bad_steps, max_nonfinite_steps=c.max_nonfinite_steps),
             plateau=ReduceOnPlateau(c.plateau_patience, c.plateau_factor) if c.plateau_patience else None,
             stopper=EarlyStopping(t.early_stop_patience, t.early_stop_min_delta),
             balancer=LoadBalancer(plan.global_batch, world_size, hysteresis=c.balance_hysteresis,

@@ -16,6 +16,8 @@ class HealthVerdict:
     warnings: list[str] = field(default_factory=list)
     nonfinite_total: int = 0
     rollbacks_total: int = 0
+    give_up: bool = False  # so many skipped in a row that training cannot recover: stop the run
+    nonfinite_streak: int = 0
 
 
 class HealthMonitor:
@@ -34,18 +36,23 @@ class HealthMonitor:
         variance_warn: float | None = None,
         max_bad_steps: int = 3,
         trend_warn: float | None = 0.05,
+        max_nonfinite_steps: int = 10,
     ) -> None:
         """``variance_warn`` is an absolute loss variance (None disables it: a
         sensible value depends on the loss scale). ``trend_warn`` fires when the
         fitted line rises by more than this fraction of the mean loss across a
-        full window.
+        full window. ``max_nonfinite_steps`` skipped updates in a row end the run: a rollback
+        resets the rollback streak but not this one, so a model that blows up again after every
+        rollback (or has no checkpoint to go back to) stops instead of looping.
         """
-        if window < 2 or max_bad_steps < 1:
-            raise ValueError("window must be >= 2 and max_bad_steps >= 1")
+        if window < 2 or max_bad_steps < 1 or max_nonfinite_steps < 1:
+            raise ValueError("window must be >= 2, max_bad_steps and max_nonfinite_steps >= 1")
         self.window, self.variance_warn = window, variance_warn
         self.max_bad_steps, self.trend_warn = max_bad_steps, trend_warn
+        self.max_nonfinite_steps = max_nonfinite_steps
         self._losses: deque[float] = deque(maxlen=window)
         self._bad_streak = 0
+        self.nonfinite_streak = 0
         self._active: set[str] = set()
         self.nonfinite_total = 0
         self.rollbacks_total = 0
@@ -53,7 +60,10 @@ class HealthMonitor:
     def observe(self, step: int, loss: float, grad_norm: float) -> HealthVerdict:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.nonfinite_total += 1
+            self.nonfinite_streak += 1
             self._bad_streak += 1
+            if self.nonfinite_streak >= self.max_nonfinite_steps:
+                return self._verdict(step, True, False, [], give_up=True)
             rollback = self._bad_streak >= self.max_bad_steps
             if rollback:
                 self.rollbacks_total += 1
@@ -63,6 +73,7 @@ class HealthMonitor:
                 self._active.clear()
             return self._verdict(step, True, rollback, [])
         self._bad_streak = 0
+        self.nonfinite_streak = 0
         self._losses.append(float(loss))
         return self._verdict(step, False, False, self._warnings())
 
@@ -84,10 +95,10 @@ class HealthMonitor:
         self._active = set(conditions)
         return new
 
-    def _verdict(self, step: int, skip: bool, rollback: bool, warnings: list[str]) -> HealthVerdict:
-        return HealthVerdict(
-            step, skip, rollback, warnings, self.nonfinite_total, self.rollbacks_total
-        )
+    def _verdict(self, step: int, skip: bool, rollback: bool, warnings: list[str],
+                 give_up: bool = False) -> HealthVerdict:
+        return HealthVerdict(step, skip, rollback, warnings, self.nonfinite_total, self.rollbacks_total,
+                             give_up, self.nonfinite_streak)
 
     def loss_variance(self) -> float:
         """Population variance of the finite losses in the window (0 if fewer than 2)."""
@@ -115,6 +126,7 @@ class HealthMonitor:
             "active": sorted(self._active),
             "nonfinite_total": self.nonfinite_total,
             "rollbacks_total": self.rollbacks_total,
+            "nonfinite_streak": self.nonfinite_streak,
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -123,6 +135,7 @@ class HealthMonitor:
         self._active = set(d["active"])
         self.nonfinite_total = int(d["nonfinite_total"])
         self.rollbacks_total = int(d["rollbacks_total"])
+        self.nonfinite_streak = int(d.get("nonfinite_streak", 0))  # absent in checkpoints before it
 
 
 class ReduceOnPlateau:

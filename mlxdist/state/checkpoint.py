@@ -20,8 +20,12 @@ slower, and a plain file is memory-mapped and read by any safetensors tool (`saf
 any machine. Checkpoints written before hold `NAME.safetensors.zst`; `load` reads either.
 
 A checkpoint is written into a temporary directory and renamed into place, so a crash
-leaves either the old set or the new one. A checkpoint whose manifest is missing or whose
-checksums do not match is skipped with a warning, never deleted.
+leaves either the old set or the new one (a crash mid-write leaves the temporary directory,
+`.tmp_step_*`, which the run's next start removes). A checkpoint whose manifest is missing or
+whose checksums do not match is skipped with a warning and never deleted: where the run would
+write that step again it is first moved aside to `unverified_step_*`. Weights that hold NaN or
+infinity are never written as a checkpoint (`NonFiniteError`): the last finite one stays the
+newest.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
+import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -50,6 +56,15 @@ os.umask(_UMASK)
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class NonFiniteError(CheckpointError):
+    """The weights to save hold NaN or infinity: a checkpoint of them would be the newest
+    "good" one, and `--resume auto` or a rollback would load the damage."""
+
+
+TEMP_PREFIXES = (".tmp_step_", ".old_step_")  # a save in progress; left behind only by a crash
+UNVERIFIED_PREFIX = "unverified_"
 
 
 def _contiguous(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -89,6 +104,10 @@ def write_arrays(path: Path, arrays: dict[str, np.ndarray], level: int | None = 
     try:
         st.save_file(_contiguous(arrays), str(path))
     except SafetensorError as e:
+        os_error = re.search(r"\(os error (\d+)\)", str(e))  # the package wraps a failed write (a full disk)
+        if os_error:
+            code = int(os_error.group(1))
+            raise OSError(code, os.strerror(code), str(path)) from None
         raise CheckpointError(f"cannot store {path.name}: {e}") from None
     os.chmod(path, 0o666 & ~_UMASK)  # the package creates it 0600; the files beside it follow the umask
     fd = os.open(path, os.O_RDONLY)
@@ -201,10 +220,31 @@ def _signature(path: Path) -> tuple:
 def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
          state: dict[str, Any], sync: dict[str, np.ndarray] | None = None,
          extra: dict[str, dict[str, np.ndarray]] | None = None) -> Path:
+    """The checkpoint of `step` in `directory`, written whole or not at all. Refuses weights
+    that are not finite (`NonFiniteError`); a failed write (a full disk) removes its partial
+    files and says which step and where, leaving the earlier checkpoints as they were."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
+    for part, arrays in (("weight", weights), ("EMA weight", (extra or {}).get("ema", {}))):
+        bad = first_nonfinite(arrays)
+        if bad is not None:
+            raise NonFiniteError(f"step {step}: {part} '{bad}' holds NaN or infinity, so no checkpoint of it was "
+                                 f"written to {root}; the checkpoints already there are unchanged")
     tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return _save(root, tmp, step, weights, optimizer, state, sync, extra)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint of step {step} could not be written to {root}: {e.strerror or e}"
+                              f"{f' ({e.filename})' if e.filename else ''}; its partial files were removed and "
+                              "the earlier checkpoints there are unchanged: free space (or fix the folder), then "
+                              "continue with --resume auto") from None
+
+
+def _save(root: Path, tmp: Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
+          state: dict[str, Any], sync: dict[str, np.ndarray] | None,
+          extra: dict[str, dict[str, np.ndarray]] | None) -> Path:
+    final = root / f"step_{step:08d}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -234,8 +274,21 @@ def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optim
     return final
 
 
-def verify(path: Path) -> str | None:
-    """None if the checkpoint is whole, else why not (always re-hashes)."""
+def first_nonfinite(arrays: dict[str, np.ndarray]) -> str | None:
+    """The name of the first float array holding NaN or infinity (min and max carry both, in
+    two passes that allocate nothing), or None."""
+    for name, value in arrays.items():
+        a = np.asarray(value)
+        if a.dtype.kind == "f" and a.size and not (np.isfinite(a.min()) and np.isfinite(a.max())):
+            return name
+    return None
+
+
+def verify(path: Path, cached: bool = False) -> str | None:
+    """None if the checkpoint is whole, else why not. Re-hashes every file, unless `cached` and
+    this process verified or wrote it with the same files (sizes, mtimes) already."""
+    if cached and _known_whole(path):
+        return None
     mf = path / MANIFEST
     if not mf.is_file():
         return "no manifest (write did not finish)"
@@ -320,14 +373,47 @@ def load_latest(directory: str | Path, warn=print) -> Loaded | None:
     return None
 
 
+def move_aside(path: Path) -> Path:
+    """Rename a checkpoint that failed verification to `unverified_step_*` beside it, so the run
+    does not write that step over it and nothing reads it as a checkpoint; returns the new path."""
+    target = path.with_name(UNVERIFIED_PREFIX + path.name)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{UNVERIFIED_PREFIX}{path.name}.{n}")
+    path.rename(target)
+    return target
+
+
+def remove_temporaries(directory: Path) -> list[tuple[Path, int]]:
+    """Delete what interrupted saves left in `directory` (`.tmp_step_*`, `.old_step_*`); returns
+    each with its bytes."""
+    if not directory.is_dir():
+        return []
+    removed = []
+    for p in sorted(directory.iterdir()):
+        if p.is_dir() and p.name.startswith(TEMP_PREFIXES):
+            size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            shutil.rmtree(p, ignore_errors=True)
+            if not p.exists():
+                removed.append((p, size))
+    return removed
+
+
+_RETENTION_WARNED: set[str] = set()
+
+
 def apply_retention(directory: str | Path, keep_last: int, keep_best: bool,
-                    run_ids: Collection[str | None] | None = None, newest: Path | None = None) -> list[Path]:
+                    run_ids: Collection[str | None] | None = None, newest: Path | None = None,
+                    warn: Callable[[str], None] | None = None) -> list[Path]:
     """Delete old *valid* checkpoints beyond the newest `keep_last` (and the best by eval loss).
 
     Only checkpoints of the runs in `run_ids` (this run's id, and None where it continued a
     checkpoint from before run ids) are considered; None: all of them. `newest`, the one just
     written, is always kept, even where the run went back to an older step. Corrupt
     checkpoints and other runs' are never deleted automatically: they may be someone's only copy.
+    One that cannot be deleted (permissions, a read-only disk) is reported once through `warn`
+    and kept: training goes on, it only costs disk space.
     """
     ours = [p for p in list_checkpoints(directory) if run_ids is None or run_id_of(p) in run_ids]
     valid = [p for p in ours if _known_whole(p)]
@@ -340,7 +426,19 @@ def apply_retention(directory: str | Path, keep_last: int, keep_best: bool,
                 scored.append((loss, p))
         if scored:
             keep.add(min(scored)[1])
-    removed = [p for p in valid if p not in keep]
-    for p in removed:
-        shutil.rmtree(p)
+    removed = []
+    for p in (p for p in valid if p not in keep):
+        try:
+            shutil.rmtree(p)
+            removed.append(p)
+        except OSError as e:
+            if str(p) not in _RETENTION_WARNED:
+                _RETENTION_WARNED.add(str(p))
+                (warn or _stderr)(f"warning: retention (checkpoint.keep_last={keep_last}) cannot delete {p}: "
+                                  f"{e.strerror or e}; it is kept and training goes on (delete it by hand to free "
+                                  "the space)")
     return removed
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

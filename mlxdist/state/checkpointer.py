@@ -25,6 +25,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -104,17 +105,58 @@ def _step(path: Path) -> int:
 
 
 def newest_whole(run_dir: Path, warn: Callable[[str], None],
-                 lineage: Collection[str | None] | None = None) -> Path | None:
+                 lineage: Collection[str | None] | None = None, cached: bool = False) -> Path | None:
     """The newest copy that verifies (of the runs in `lineage`; None: of any run); each newer
-    broken one is reported and left alone."""
+    broken one is reported and left alone. `cached`: trust this process's earlier verdicts."""
     for path in all_copies(run_dir):
         if lineage is not None and ckpt.run_id_of(path) not in lineage:
             continue
-        problem = ckpt.verify(path)
+        problem = ckpt.verify(path, cached=cached)
         if problem is None:
             return path
         warn(f"checkpoint {path} is unusable ({problem}); falling back to the previous one")
     return None
+
+
+def claim_for_resume(run_dir: Path) -> tuple[list[str], list[str]]:
+    """`--resume auto`'s look at the run folder before anything is written: (refusals, notes).
+
+    Refusals, one line per checkpoint, where the folder holds checkpoints and none verifies:
+    starting fresh there would write new steps over them and let retention delete the rest.
+    Otherwise every copy newer than the one the run resumes from that fails verification is
+    moved aside (the run will save those steps again), and each move is a note."""
+    problems: list[tuple[Path, str]] = []
+    found = None
+    for path in all_copies(run_dir):
+        problem = ckpt.verify(path)
+        if problem is None:
+            found = path
+            break
+        problems.append((path, problem))
+    if found is None:
+        return [f"{_where(p, run_dir)}: {why}" for p, why in problems], []
+    notes = []
+    for path, why in problems:
+        moved = ckpt.move_aside(path)
+        notes.append(f"resume: {_where(path, run_dir)} fails verification ({why}); moved aside to "
+                     f"{_where(moved, run_dir)} so that this run's step {_step(path)} does not replace it")
+    return [], notes
+
+
+def _where(path: Path, run_dir: Path) -> str:
+    try:
+        return str(path.relative_to(run_dir))
+    except ValueError:
+        return str(path)
+
+
+def remove_interrupted_saves(run_dir: Path, host: str) -> list[str]:
+    """Remove the temporary folders that saves cut short (a kill -9, a power cut) left in the
+    run's checkpoint folders on this host's disk; a line for each. Called once the run owns the
+    folder, before it writes."""
+    dirs = [run_dir / "checkpoints", *sorted((run_dir / REPLICAS).glob("*"))]
+    return [f"{host}: removed {_where(p, run_dir)}, left by an interrupted save ({size / 1e6:.1f} MB)"
+            for d in dirs for p, size in ckpt.remove_temporaries(d)]
 
 
 class Stateful(Protocol):
@@ -168,7 +210,13 @@ class Checkpointer:
         if self.cfg.resume == "none":
             return None
         if self.cfg.resume != "auto":
-            return ckpt.load(self.cfg.resume)
+            path = Path(self.cfg.resume)
+            if path.is_dir() and not (path / ckpt.MANIFEST).is_file():
+                # Named on the command line after --resume auto refused it: the user looked.
+                warn(f"resume: {path} has no manifest, so its files cannot be verified; resuming from it because "
+                     "--resume names it")
+                return ckpt.load(path, verified=True)
+            return ckpt.load(path)
         loaded = self.latest(warn)
         if loaded is None:
             warn(f"resume=auto: no checkpoint in {self.dir} or {self.run_dir / REPLICAS}; starting fresh")
@@ -177,22 +225,40 @@ class Checkpointer:
     def latest(self, warn: Callable[[str], None]) -> ckpt.Loaded | None:
         """Newest whole copy here: rank 0's or a replica (after an elastic restart the new
         rank 0 may hold only the replica it wrote while it was another rank)."""
-        path = newest_whole(self.run_dir, warn, self.lineage)
+        path = newest_whole(self.run_dir, warn, self.lineage, cached=True)
         return ckpt.load(path, verified=True) if path is not None else None
 
-    def save(self, step: int, states: Mapping[str, Stateful]) -> tuple[Path, float] | None:
+    def save(self, step: int, states: Mapping[str, Stateful]) -> Written | None:
         """Gather the run's parts by name (on every rank: a part may gather across ranks),
-        then, where this rank writes, one checkpoint and its retention. Returns the path and
-        the seconds taken, or None on a rank that does not write."""
+        then, where this rank writes, one checkpoint and its retention. None on a rank that
+        does not write. A copy of the same step there that fails verification (a rollback
+        saves steps again) is moved aside first, never replaced."""
         t0 = time.perf_counter()
         files, state = gather_states(states, self.writes)
         if not self.writes:
             return None
+        notes: list[str] = []
+        same = self.write_dir / f"step_{step:08d}"
+        if same.is_dir():
+            problem = ckpt.verify(same, cached=True)
+            if problem is not None:
+                moved = ckpt.move_aside(same)
+                notes.append(f"checkpoint: {same} fails verification ({problem}); moved aside to {moved.name}")
         path = ckpt.save(self.write_dir, step, files.get("model", {}), files.get("optimizer", {}), state,
                          sync=files.get("sync"), extra={k: files[k] for k in ckpt.EXTRA_FILES if k in files})
         ckpt.apply_retention(self.write_dir, self.cfg.keep_last, self.cfg.keep_best,
-                             run_ids=self.lineage if self.lineage is not None else {state.get("run_id")}, newest=path)
-        return path, time.perf_counter() - t0
+                             run_ids=self.lineage if self.lineage is not None else {state.get("run_id")}, newest=path,
+                             warn=notes.append)
+        return Written(path, time.perf_counter() - t0, notes)
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint this rank wrote, and what the writing has to say (moved aside, retention)."""
+
+    path: Path
+    seconds: float
+    notes: list[str]
 
 
 def probe(run_dir: Path) -> dict:

@@ -32,7 +32,15 @@ from ..engine.base import Engine, StepStats, set_model
 from ..engine.memory import MemoryReading
 from ..markers import RestartCounts, announce_complete
 from ..state import checkpoint as ckpt
-from ..state.checkpointer import Checkpointer, describe, others_in, remove_run
+from ..state.checkpointer import (
+    Checkpointer,
+    claim_for_resume,
+    describe,
+    newest_whole,
+    others_in,
+    remove_interrupted_saves,
+    remove_run,
+)
 from ..sync.batchnorm import install_sync_batchnorm
 from ..sync.shard_plan import optimizer_state_bytes, resolve_shard
 from ..sync.strategy import SyncStrategy, make_strategy, share_state
@@ -59,7 +67,7 @@ class Trainer:
         self.cfg = cfg
         self.world: World = make_world(engine_name, cfg, device)
         self.run_dir = Path(cfg.train.out_dir)
-        run_id, overwritten = self._claim_run_dir()  # before anything is written there
+        run_id, claim_notes = self._claim_run_dir()  # before anything is written there
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.world.install_signal_handlers()
         hold_awake(os.getpid())  # a MacBook that sleeps mid-run stalls the whole cluster
@@ -74,8 +82,8 @@ class Trainer:
             if w.is_main:
                 self.report.say(f"config: {warning}")
 
-        if overwritten and w.is_main:
-            self.report.say(f"overwrite: {overwritten}")
+        for note in claim_notes:
+            self.report.say(note)
         self.hosts = w.allgather(w.host)
         unmatched = cfg.unmatched_nodes_warning(self.hosts)
         if w.is_main and unmatched:
@@ -116,6 +124,7 @@ class Trainer:
                       "cluster": ClusterInfo(w.size, self.hosts, cfg.to_dict())}
         self.parts |= {name: part for name, part in (("ema", self.ema), ("task", self.task_state)) if part}
         self.stop_reason: str | None = None
+        self._gave_up = False  # this rank's updates were skipped control.max_nonfinite_steps times in a row
         self.self_check = SelfCheck(cfg.dist.sync_weights_every if self.sync.drift_check else 0)
         self._drift_restored_to: int | None = None
 
@@ -210,6 +219,7 @@ class Trainer:
             if stats.skipped:
                 self.report.emit("skipped", f"step {self.state.step}: {stats.why_skipped}; update skipped "
                                  f"({self.ctl.health.nonfinite_total} so far)", step=self.state.step)
+            self._gave_up = verdict.give_up
             wanted = verdict.rollback
         if not self.sync.agree_on_rollback(wanted, self.state.step + 1):
             return False
@@ -249,7 +259,11 @@ class Trainer:
         if not self.sync.meets(self.state.step):
             return memory
         gathered = self.world.allgather({"samples": self.plan.shares[self.world.rank], "compute_s": compute_s,
-                                         "micro": self.ctl.batch.batch, "stop": self.world.stop_requested})
+                                         "micro": self.ctl.batch.batch, "stop": self.world.stop_requested,
+                                         "gave_up": self._gave_up})
+        gave_up = [r for r, g in enumerate(gathered) if g["gave_up"]]
+        if gave_up:
+            self._stop_nonfinite(gave_up)
         if any(g["stop"] for g in gathered):
             self.stop_reason = "signal"
         balancer = self.ctl.balancer if self.cfg.control.balance and self.world.size > 1 else None
@@ -356,15 +370,23 @@ class Trainer:
         with self.sync.whole_model(self.engine, self.writers):
             self._report(self.sync.before_save(self.engine, step))
             self.sync.save_rank_state(self.run_dir / "rank_state", step, self.engine, self.cfg.checkpoint.keep_last)
-            written = self.checkpoints.save(step, self.parts)
+            try:
+                written, refused = self.checkpoints.save(step, self.parts), None
+            except ckpt.NonFiniteError as e:
+                written, refused = None, str(e)
             if written is not None:  # rank 0; with checkpoint.on_every_host each host's first rank too
-                path, seconds = written
-                self.report.emit("checkpoint", f"checkpoint: {path} ({seconds:.2f}s)", step=step, path=str(path),
-                                 seconds=seconds)
+                for note in written.notes:
+                    self.report.say(note)
+                self.report.emit("checkpoint", f"checkpoint: {written.path} ({written.seconds:.2f}s)", step=step,
+                                 path=str(written.path), seconds=written.seconds)
             # Peers wait here, with a longer stall allowance, rather than in the next step's
             # exchange, where a big model's slow save would look like a dead rank.
-            self.world.barrier("waiting for the checkpoint writers", patience=10)
-            self.hooks.call("on_checkpoint", self.engine.model, written[0] if written else None, step,
+            with self.world.watch("waiting for the checkpoint writers", patience=10):
+                refusals = [r for r in self.world.allgather(refused) if r]
+            if refusals:
+                raise self._stopped(f"{refusals[0]}; {self._last_finite()}: the weights went non-finite "
+                                    "without a non-finite loss (an overflow); resume it with a lower train.lr")
+            self.hooks.call("on_checkpoint", self.engine.model, written.path if written else None, step,
                             kept=f"the checkpoint of step {step} was written before it")
 
     def restore(self, loaded: ckpt.Loaded | None, rolling_back: bool = False) -> None:
@@ -451,7 +473,18 @@ class Trainer:
         w, cp = self.world, self.cfg.checkpoint
         run_id = w.bcast(ckpt.new_run_id() if w.is_main else None)
         if cp.resume == "auto" or RestartCounts.from_env().restarts:
-            return run_id, ""
+            refusals, notes = w.bcast(claim_for_resume(self.run_dir) if w.is_main else None)
+            if refusals:
+                resume, overwrite = spelling()
+                err = ConfigError(
+                    f"train.out_dir {self.run_dir}: --resume auto found {len(refusals)} checkpoint(s) and none "
+                    "verifies, so it will not start over on top of them; nothing was changed:\n  "
+                    + "\n  ".join(refusals) + f"\nlook at them, then continue one with --resume PATH (one without "
+                    f"a manifest loads; one that fails its sha256 check is damaged), or start afresh with {overwrite} "
+                    "(deletes them)")
+                err.all_ranks, err.quiet = True, not w.is_main
+                raise err
+            return run_id, (notes if w.is_main else []) + self._remove_interrupted_saves()
         fresh = cp.resume == "none"
         # --resume PATH: checkpoints of PATH's run are its own; those from before run ids cannot
         # be told apart, so only another id counts against it.
@@ -459,14 +492,14 @@ class Trainer:
         found = w.allgather((w.host, [str(p) for p in others_in(self.run_dir, lineage)]))
         where = next((r for r, (_, paths) in enumerate(found) if paths), None)  # rank 0's disk first
         if where is None:
-            return run_id, ""
+            return run_id, self._remove_interrupted_saves()
         host, paths = found[where]
         seen = describe([Path(p) for p in paths], self.run_dir) + (f" on {host}" if where else "")
         if fresh and cp.overwrite:
             removed = remove_run(self.run_dir) if w.local_rank == 0 else []
             w.barrier("removing the previous run's files (--overwrite)")
-            return run_id, (f"removed the previous run's {', '.join(removed)} from {self.run_dir} ({seen})"
-                            if w.is_main and removed else "")
+            return run_id, ([f"overwrite: removed the previous run's {', '.join(removed)} from {self.run_dir} "
+                             f"({seen})"] if w.is_main and removed else [])
         what = "another run's checkpoints" if fresh else f"checkpoints of a run other than {cp.resume}'s"
         resume, overwrite = spelling()
         ways = (f"continue that run with {resume}, give this one a new train.out_dir, or replace that run "
@@ -476,6 +509,31 @@ class Trainer:
         err.all_ranks = True  # every rank saw the same gathered lists: all stop, none aborts the others
         err.quiet = not w.is_main  # one line, from rank 0
         raise err
+
+    def _remove_interrupted_saves(self) -> list[str]:
+        """The temporary folders of this run's saves cut short, gone from every host's disk."""
+        w = self.world
+        return remove_interrupted_saves(self.run_dir, w.host) if w.local_rank == 0 else []
+
+    def _stop_nonfinite(self, ranks: list[int]) -> None:
+        """Every rank, from the same gathered list: no checkpoint of this state is written."""
+        who = ", ".join(f"rank {r} ({self.hosts[r]})" for r in ranks)
+        k = self.cfg.control.max_nonfinite_steps
+        self.report.emit("nonfinite_stop", step=self.state.step, ranks=ranks)
+        raise self._stopped(f"step {self.state.step}: {k} updates in a row skipped for a non-finite loss or "
+                            f"gradients on {who} (control.max_nonfinite_steps={k}); stopped without writing a "
+                            f"checkpoint; {self._last_finite()}: resume it with a lower train.lr, or look at the "
+                            f"data near sample position {self.state.position}")
+
+    def _stopped(self, message: str) -> TrainingStopped:
+        err = TrainingStopped(message)
+        err.quiet = not self.world.is_main
+        return err
+
+    def _last_finite(self) -> str:
+        latest = newest_whole(self.run_dir, lambda _: None, self.checkpoints.lineage, cached=True) \
+            if self.world.is_main else None
+        return f"the last checkpoint is {latest}" if latest else "no checkpoint was written before"
 
     def _report(self, decisions: list[Decision]) -> None:
         for d in decisions:
@@ -552,6 +610,14 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         say(f"plan: global batch {plan.global_batch} = shares {plan.shares} in micro-batches {plan.micro}"
             f" on {', '.join(self.hosts)}; metrics on :{cfg.metrics.port or 'off'}; run dir {self.run_dir}")
+
+
+class TrainingStopped(RuntimeError):
+    """A run that cannot go on (its weights or updates are no longer finite). Every rank
+    raises it together, from gathered numbers: nobody aborts the others."""
+
+    all_ranks = True
+    quiet = False
 
 
 def _looks_like_oom(e: Exception) -> bool:
