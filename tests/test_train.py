@@ -55,7 +55,7 @@ def test_resume_skips_corrupt_newest(tmp_path):
     newest.write_bytes(newest.read_bytes()[:-10])
     r = run_train([*common, "train.steps=8", "--resume", "auto"])
     assert r.returncode == 0, r.stderr
-    assert "step_00000006 is unusable" in r.stderr and "falling back" in r.stderr
+    assert "checkpoints/step_00000006 fails verification (optimizer.safetensors fails its sha256 check)" in r.stderr
     assert "resumed from" in r.stderr and "(step 3" in r.stderr
     # Moved aside, whole as it was, before this run saved its own step 6.
     aside = tmp_path / "checkpoints" / "unverified_step_00000006" / "optimizer.safetensors"
