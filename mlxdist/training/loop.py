@@ -461,21 +461,26 @@ class Trainer:
             announce_complete(s.step, self.stop_reason or "completed")
 
     # ------------------------------------------------------------------ helpers
-    def _claim_run_dir(self) -> tuple[str, str]:
-        """This run's id, and what `checkpoint.overwrite` removed (empty: nothing). A run that
+    def _claim_run_dir(self) -> tuple[str, list[str]]:
+        """This run's id, and lines to say once the log is open. A run that
         continues none of the checkpoints in train.out_dir (a fresh one, or --resume PATH of
         another run) would mix with them: retention would keep the other run's higher steps
         and delete its own newest, and --resume auto, generation and evaluation would read the
         other run. It is refused before it writes anything there, unless checkpoint.overwrite
         asks to delete them (a fresh run only). Every rank looks at its own disk (replicas);
         all decide alike from the gathered lists. An elastic restart skips this: its first job
-        already claimed the folder, and the checkpoints there are the same run's."""
+        already claimed the folder, and the checkpoints there are the same run's. `--resume
+        auto` over checkpoints none of which verifies is refused too (`claim_for_resume`): it
+        would start over on top of them. Once the folder is this run's, the temporary folders of
+        its interrupted saves go."""
         w, cp = self.world, self.cfg.checkpoint
         run_id = w.bcast(ckpt.new_run_id() if w.is_main else None)
-        if cp.resume == "auto" or RestartCounts.from_env().restarts:
+        if RestartCounts.from_env().restarts and cp.resume != "auto":  # the supervisor chose what it resumes
+            return run_id, self._remove_interrupted_saves()
+        if cp.resume == "auto":
             refusals, notes = w.bcast(claim_for_resume(self.run_dir) if w.is_main else None)
             if refusals:
-                resume, overwrite = spelling()
+                _, overwrite = spelling()
                 err = ConfigError(
                     f"train.out_dir {self.run_dir}: --resume auto found {len(refusals)} checkpoint(s) and none "
                     "verifies, so it will not start over on top of them; nothing was changed:\n  "
