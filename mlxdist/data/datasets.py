@@ -8,7 +8,8 @@ import numpy as np
 
 from ..config import ConfigError, DataConfig
 from .shards import TokenStream, read_shards
-from .synthetic import synthetic_window
+from .synthetic import SEP, synthetic_window
+from .tokenizer import VOCAB_SIZE
 
 
 class Dataset:
@@ -66,6 +67,10 @@ class SyntheticTask(Dataset):
 
 def build_datasets(cfg: DataConfig, seed: int, vocab_size: int = 258) -> tuple[Dataset, Dataset]:
     """(train, eval) for the configured source; eval is a held-out tail, never trained on."""
+    need = {"synthetic": SEP + 1, "builtin": VOCAB_SIZE}.get(cfg.source, 0)
+    if vocab_size < need:  # byte ids: a smaller embedding table would be read out of bounds
+        raise ConfigError(f"model.vocab_size: data.source={cfg.source} has byte token ids that need a vocabulary "
+                          f"of {need}, the model's is {vocab_size}; set model.vocab_size={need} or more")
     if cfg.source == "synthetic":
         return (SyntheticTask(cfg.task, seed, cfg.seq_len),
                 SyntheticTask(cfg.task, seed + 1_000_003, cfg.seq_len, size=10_000))
@@ -74,7 +79,7 @@ def build_datasets(cfg: DataConfig, seed: int, vocab_size: int = 258) -> tuple[D
 
         tokens = TokenStream([builtin_tokens()])
     else:
-        tokens, index = read_shards(cfg.path)
+        tokens, index = read_shards(cfg.path, vocab_size)
         if index.get("vocab_size", 0) > vocab_size:
             raise ConfigError(f"data.path: shards in {cfg.path} use a vocabulary of {index['vocab_size']} "
                               f"> model.vocab_size {vocab_size}; set model.vocab_size={index['vocab_size']}")

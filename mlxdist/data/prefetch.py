@@ -2,7 +2,9 @@
 
 A bounded queue caps memory; an exception in the worker is re-raised in the training
 thread (a silent dead worker would look like a hang); the time the loop waits is measured
-so a data-starved run shows up in the metrics.
+so a data-starved run shows up in the metrics. mlxdist's own one-line errors (`ConfigError`,
+e.g. a token id outside the vocabulary) are re-raised as they are, so they end the run with
+their own line and exit code 2, as they would without the prefetcher.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from ..config import ConfigError
 
 
 class _Failure:
@@ -67,6 +71,8 @@ class Prefetcher:
                     raise RuntimeError("prefetch: worker thread ended unexpectedly") from None
         self.wait_seconds += time.perf_counter() - t0
         if isinstance(got, _Failure):
+            if isinstance(got.exc, ConfigError):
+                raise got.exc
             raise RuntimeError(f"prefetch: producing step {step} failed: {got.exc!r}") from got.exc
         return got[1]
 
