@@ -9,6 +9,8 @@ the path mpirun's daemons take) and judge the network the same way (`check_host`
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import socket
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -29,26 +31,94 @@ class LaunchError(RuntimeError):
     pass
 
 
-def read_hostfile(path: str | Path) -> list[HostEntry]:
+# Hostfiles are a few lines; anything larger was not meant as one.
+MAX_HOSTFILE_BYTES = 1 << 20
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+# A name starts with a letter or digit (as in Open MPI's hostfile grammar): never with '-',
+# which ssh, and mpirun's ssh launch, would read as an option.
+_HOST_NAME = re.compile(rf"(?=[A-Za-z0-9]){_LABEL}(?:\.{_LABEL})*")
+_COUNT = re.compile(r"[0-9]{1,9}")
+
+
+def _shown(name: str) -> str:
+    """A name as an error line can hold it: quoted, escaped, and short."""
+    return repr(name if len(name) <= 200 else name[:197] + "...")
+
+
+def host_name_problem(name: str) -> str | None:
+    """Why `name` may not stand as a host for ssh and mpirun (None: it may). Every name the
+    launch wing hands to ssh comes through here first: a name is an argument to ssh, and one
+    that reads as an option (`-oProxyCommand=...`) runs a command on this machine."""
+    if name.startswith("-"):
+        return (f"host {_shown(name)} starts with '-', which ssh would take as an option; write the "
+                "Mac's name (studio.local) or its address")
+    if "@" in name:
+        return (f"host {_shown(name)}: no user name here; write the Mac's name alone and give its "
+                "user in ~/.ssh/config (Host NAME / User USER)")
+    if len(name) <= 253 and _HOST_NAME.fullmatch(name):
+        return None
+    try:
+        if "%" not in name:
+            ipaddress.ip_address(name)
+            return None
+    except ValueError:
+        pass
+    return (f"host {_shown(name)} is not a host name (letters, digits, '-', '_' and '.') nor an IP "
+            "address; write the Mac's name (studio.local) or its address")
+
+
+def read_hostfile_text(path: str | Path) -> str:
+    """The text of a hostfile, for every reader of one; a missing, huge or binary file is a
+    LaunchError in one line, not a traceback."""
     p = Path(path)
     if not p.is_file():
-        raise LaunchError(f"hostfile {p}: not found")
+        raise LaunchError(f"hostfile {p}: not found (or not a file)")
+    try:
+        with p.open("rb") as f:
+            data = f.read(MAX_HOSTFILE_BYTES + 1)
+    except OSError as e:
+        raise LaunchError(f"hostfile {p}: cannot read it ({e.strerror or e})") from None
+    if len(data) > MAX_HOSTFILE_BYTES:
+        raise LaunchError(f"hostfile {p}: larger than {MAX_HOSTFILE_BYTES >> 20} MiB, so not a hostfile; "
+                          "write one `NAME slots=N` line per Mac")
+    bad = data.find(b"\0")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = e.start if bad < 0 else min(bad, e.start)
+    if bad >= 0:
+        line = data[:bad].count(b"\n") + 1
+        raise LaunchError(f"hostfile {p}:{line}: binary data, not text; a hostfile "
+                          "has one `NAME slots=N` line per Mac")
+    return text
+
+
+def read_hostfile(path: str | Path) -> list[HostEntry]:
+    """The hosts of an Open MPI hostfile (`NAME [slots=N] [max_slots=N]` lines, `#` comments),
+    each name checked by `host_name_problem` and each count at least 1, so that no reader of
+    a hostfile hands ssh or mpirun a name that is an option or a job with no ranks."""
+    p = Path(path)
     hosts = []
-    for n, raw in enumerate(p.read_text().splitlines(), 1):
+    for n, raw in enumerate(read_hostfile_text(p).split("\n"), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         name, *opts = line.split()
+        problem = host_name_problem(name)
+        if problem:
+            raise LaunchError(f"hostfile {p}:{n}: {problem}")
         slots = 1
         for opt in opts:
             key, _, value = opt.partition("=")
-            if key in ("slots", "max_slots", "max-slots") and value.isdigit():
-                slots = int(value) if key == "slots" else slots
-            else:
-                raise LaunchError(f"hostfile {p}:{n}: cannot read '{opt}' (expected slots=N)")
+            if key not in ("slots", "max_slots", "max-slots"):
+                raise LaunchError(f"hostfile {p}:{n}: cannot read {_shown(opt)} (expected slots=N)")
+            if not _COUNT.fullmatch(value) or int(value) < 1:
+                raise LaunchError(f"hostfile {p}:{n}: host {_shown(name)}: {_shown(opt)} is not a number of "
+                                  f"ranks; write {key}=N with N at least 1 (remove the line to leave the host out)")
+            slots = int(value) if key == "slots" else slots
         hosts.append(HostEntry(name, slots))
     if not hosts:
-        raise LaunchError(f"hostfile {p}: lists no hosts")
+        raise LaunchError(f"hostfile {p}: lists no hosts; write one `NAME slots=N` line per Mac")
     return hosts
 
 
@@ -81,7 +151,7 @@ class Remote:
     def command(self, host: str, script: str) -> list[str]:
         if host in self.local_names:
             return ["sh", "-c", script]
-        return [*self.prefix, host, script]
+        return [*self.prefix, "--", host, script]
 
     def run(self, host: str, script: str, timeout: float) -> Reply:
         """Run `script` on `host` (no stdin), waiting at most `timeout` seconds for it to end."""

@@ -11,9 +11,9 @@ import ipaddress
 import os
 import socket
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 
 from ..cluster.world import default_mpi_library, find_mpirun
+from .hosts import LaunchError, read_hostfile
 
 # Forwarded to the ranks when set here: they find the venv's python, the MPI library, this
 # checkout and the preloaded BLAS through them. `-x NAME` of an unset name is noise.
@@ -60,14 +60,14 @@ def mpirun_command(program: Sequence[str], *, hostfile: str | os.PathLike[str] |
 
 def hostfile_hosts(hostfile: str | os.PathLike[str] | None) -> list[str] | None:
     """The host names of an Open MPI hostfile, in order (`[]` without one: mpirun then runs
-    on this machine only); None when it cannot be read."""
+    on this machine only); None when it cannot be read, or is not a hostfile `read_hostfile`
+    accepts."""
     if hostfile is None:
         return []
     try:
-        lines = Path(hostfile).read_text().splitlines()
-    except OSError:
+        return [h.name for h in read_hostfile(hostfile)]
+    except LaunchError:
         return None
-    return [line.split()[0] for line in (raw.split("#", 1)[0].strip() for raw in lines) if line]
 
 
 def btl_for(hosts: Sequence[str] | None) -> str:

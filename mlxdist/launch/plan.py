@@ -3,15 +3,27 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cluster.jaccl import is_mlx_hostfile, read_mlx_hostfile, to_openmpi_hostfile
 from ..markers import SUPERVISED_ENV
-from .hosts import LOCAL_NAMES, HostEntry, LaunchError, Remote, hostfile_text, read_hostfile
+from .hosts import (
+    LOCAL_NAMES,
+    HostEntry,
+    LaunchError,
+    Remote,
+    host_name_problem,
+    hostfile_text,
+    read_hostfile,
+    read_hostfile_text,
+)
 from .mpirun import hostfile_network, mpirun_command
 from .profile import PROFILE_FILE, ClusterProfile, find_dir
+
+_MLX_SETTING = re.compile(r"MLX_[A-Z0-9_]+")
 
 
 @dataclass
@@ -57,16 +69,21 @@ def _mpirun_beside(python: str) -> str:
 
 def plan_hostfile(path: str, ssh_agent: str | None, iface: str | None) -> Launch:
     """A user's hostfile; one in a cluster profile's directory (`launch/simcluster` writes
-    one) brings the cluster's ssh stand-in and network."""
+    one) brings the cluster's ssh stand-in and network, when the profile passes
+    `ClusterProfile.agent_problem`: a hostfile's folder does not choose what runs here."""
     hostfile = Path(path)
     exports, notes = [], []
+    read_hostfile_text(hostfile)
     if is_mlx_hostfile(hostfile):
         hostfile, exports, notes = _from_mlx_hostfile(hostfile)
     hosts = read_hostfile(hostfile)
     launch = Launch(hostfile, hosts, Path(ssh_agent) if ssh_agent else None, iface, notes, exports)
     if ssh_agent is None and (hostfile.parent / PROFILE_FILE).is_file():
         profile = ClusterProfile.load(hostfile.parent)
-        if profile.ssh_agent is not None and profile.ssh_agent.is_file():
+        problem = profile.agent_problem()
+        if problem:
+            launch.notes.append(f"{problem}: not using its ssh agent (pass --ssh-agent PATH to choose one)")
+        elif profile.ssh_agent is not None and profile.ssh_agent.is_file():
             launch.ssh_agent, launch.network = profile.ssh_agent, iface or profile.network
             launch.notes.append(f"{hostfile} belongs to simulated cluster '{profile.name}': using its ssh stand-in")
     if launch.ssh_agent is not None and not launch.ssh_agent.is_file():
@@ -87,6 +104,16 @@ def _from_mlx_hostfile(path: Path) -> tuple[Path, list[str], list[str]]:
         hf = read_mlx_hostfile(path)
     except ValueError as e:
         raise LaunchError(str(e)) from None
+    for i, h in enumerate(hf.hosts):
+        problem = host_name_problem(h.host)
+        if problem:
+            raise LaunchError(f"hostfile {path}: entry {i}: {problem}")
+    for e in hf.envs:
+        # Every rank starts with these: LD_PRELOAD or PYTHONPATH from a file would run its code.
+        name = e.split("=", 1)[0]
+        if not _MLX_SETTING.fullmatch(name):
+            raise LaunchError(f"hostfile {path}: 'envs' sets {name!r}; mlxrun passes on MLX_* settings only "
+                              f"from a hostfile: give it on the command line (-x {name}=VALUE) if you mean it")
     out = Path(tempfile.mkdtemp(prefix="mlxrun-")) / f"{path.stem}.hosts"
     out.write_text(to_openmpi_hostfile(hf))
     note = (f"{path} is an mlx.distributed_config hostfile ({len(hf.hosts)} ranks"
@@ -100,6 +127,10 @@ def plan_simcluster(name: str, select: str | None, iface: str | None) -> Launch:
         profile = ClusterProfile.load(find_dir(name))
     except LookupError as e:
         raise LaunchError(str(e)) from None
+    problem = profile.agent_problem()
+    if problem:
+        raise LaunchError(f"--simcluster {name}: {problem}; bring the cluster up again with "
+                          "`sudo launch/simcluster up`, or pass --hostfile and --ssh-agent")
     chosen = [h.strip() for h in select.split(",") if h.strip()] if select else None
     try:
         hostfile = profile.subset_hostfile(chosen) if chosen else profile.hostfile

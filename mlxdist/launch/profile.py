@@ -10,11 +10,22 @@ never imports the tool that wrote it:
 
 Paths are relative to the profile's directory (or absolute). A cluster called NAME lives in
 CLUSTERS_ROOT/NAME, or leaves a pointer there to the directory it was made in.
+
+A profile names a program that mlxrun runs (the ssh stand-in), and it can sit beside a hostfile
+that came from anywhere. So `write` signs it with a key private to this user on this machine
+(KEY_FILE), bound to the profile's directory, and the launcher runs a profile's agent only when
+that signature holds and the agent is a file of this user's inside that directory that no one
+else may change (`ClusterProfile.agent_problem`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
+import secrets
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +34,44 @@ from .hosts import HostEntry, LaunchError, hostfile_text
 
 PROFILE_FILE = "launch.json"
 CLUSTERS_ROOT = Path("/tmp/mlxdist-simcluster")
+KEY_FILE = Path("mlxdist") / "cluster-profile.key"
+_KEY_BYTES = 32
+
+
+def _key_path() -> Path:
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / KEY_FILE
+
+
+def _private(st: os.stat_result, mask: int = 0o022) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & mask
+
+
+def _signing_key(create: bool) -> bytes | None:
+    """This user's profile key (made on first use when `create`); None when there is none, or
+    when the file is not this user's alone (then no profile is trusted)."""
+    try:
+        path = _key_path()
+        if create and not path.exists():
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                pass
+            else:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(secrets.token_bytes(_KEY_BYTES))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except (OSError, RuntimeError):
+        return None
+    with os.fdopen(fd, "rb") as f:
+        key = f.read(_KEY_BYTES + 1)
+        ok = _private(os.fstat(f.fileno()), 0o077) and stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+    return key if ok and len(key) == _KEY_BYTES else None
+
+
+def _signature(key: bytes, directory: Path, data: dict) -> str:
+    body = json.dumps({"directory": str(directory.resolve()), "profile": data}, sort_keys=True)
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
 def pointer(name: str) -> Path:
@@ -62,6 +111,7 @@ class ClusterProfile:
     hosts: list[ProfileHost]
     ssh_agent: Path | None = None  # what mpirun runs instead of ssh (plm_ssh_agent)
     network: str | None = None  # interface or CIDR for MPI traffic
+    signed: bool = False  # read back with this user's signature (see the module's doc)
 
     @property
     def path(self) -> Path:
@@ -78,6 +128,9 @@ class ClusterProfile:
                 "network": self.network,
                 "hosts": [{"name": h.name, "ip": h.ip, "slots": h.slots, "aliases": list(h.aliases)}
                           for h in self.hosts]}
+        key = _signing_key(create=True)
+        if key is not None:
+            data["signature"] = _signature(key, self.directory, data)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1) + "\n")
         tmp.replace(self.path)
@@ -88,12 +141,38 @@ class ClusterProfile:
         d = Path(directory)
         try:
             data = json.loads((d / PROFILE_FILE).read_text())
+            signature = data.pop("signature", None)
+            key = _signing_key(create=False)
+            signed = (isinstance(signature, str) and key is not None
+                      and hmac.compare_digest(signature, _signature(key, d, data)))
             hosts = [ProfileHost(h["name"], h["ip"], int(h.get("slots", 1)), tuple(h.get("aliases", ())))
                      for h in data["hosts"]]
             return cls(data["name"], d, d / data["hostfile"], hosts,
-                       d / data["ssh_agent"] if data.get("ssh_agent") else None, data.get("network"))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+                       d / data["ssh_agent"] if data.get("ssh_agent") else None, data.get("network"), signed)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise LaunchError(f"cluster profile {d / PROFILE_FILE}: cannot read it ({e})") from None
+
+    def agent_problem(self) -> str | None:
+        """Why mlxrun may not run this profile's ssh agent (None: it may, or it names none).
+        The agent runs as this user with the hosts' names as arguments; a profile that merely
+        lies beside a hostfile, from a download or another user, must not choose it."""
+        if self.ssh_agent is None:
+            return None
+        where = f"cluster profile {self.path}"
+        if not self.signed:
+            return f"{where} was not written by `launch/simcluster` on this machine as this user"
+        try:
+            directory = self.directory.resolve(strict=True)
+            agent = self.ssh_agent.resolve(strict=True)
+            if not agent.is_relative_to(directory):
+                return f"{where}: its ssh agent {self.ssh_agent} lies outside {self.directory}"
+            st, dir_st = agent.stat(), directory.stat()
+        except OSError as e:
+            return f"{where}: its ssh agent {self.ssh_agent} cannot be read ({e.strerror or e})"
+        if not stat.S_ISREG(st.st_mode) or not _private(st) or not _private(dir_st):
+            return (f"{where}: its ssh agent {self.ssh_agent} or its directory belongs to another user or "
+                    "others may change it")
+        return None
 
     def index(self, pick: str | int) -> int:
         """1-based position of a host picked as a user has it at hand: 1..N, its name, its IP
