@@ -226,3 +226,23 @@ def test_a_full_disk_names_the_step_and_the_path_and_keeps_the_last_checkpoint(t
     names = sorted(p.name for p in (saved / "checkpoints").iterdir())
     assert names == ["step_00000002"], names  # no partial temporary folder left behind
     assert ckpt.verify(saved / "checkpoints" / "step_00000002") is None
+
+
+def test_your_loop_does_not_start_over_on_checkpoints_none_of_which_verifies(tmp_path):
+    """`md.load_checkpoint` returned None (start fresh) where no checkpoint verified; the loop
+    then wrote its new steps over them."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    import mlxdist.mlx as md
+
+    md.init()
+    model = nn.Linear(3, 2)
+    mx.eval(model.parameters())
+    path = md.save_checkpoint(tmp_path, 2, model, keep_last=3, epoch=1)
+    assert md.load_checkpoint(tmp_path, model)["step"] == 2
+    (path / "manifest.json").unlink()
+    before = _listing(tmp_path)
+    with pytest.raises(ConfigError, match=r"none of its 1 checkpoint\(s\) verifies \(step_00000002: no manifest"):
+        md.load_checkpoint(tmp_path, model)
+    assert _listing(tmp_path) == before

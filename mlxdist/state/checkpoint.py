@@ -219,10 +219,12 @@ def _signature(path: Path) -> tuple:
 
 def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
          state: dict[str, Any], sync: dict[str, np.ndarray] | None = None,
-         extra: dict[str, dict[str, np.ndarray]] | None = None) -> Path:
+         extra: dict[str, dict[str, np.ndarray]] | None = None, warn: Callable[[str], None] | None = None) -> Path:
     """The checkpoint of `step` in `directory`, written whole or not at all. Refuses weights
     that are not finite (`NonFiniteError`); a failed write (a full disk) removes its partial
-    files and says which step and where, leaving the earlier checkpoints as they were."""
+    files and says which step and where, leaving the earlier checkpoints as they were. A copy
+    of the same step already there is replaced only if it verifies; one that does not is moved
+    aside and `warn` says so."""
     root = Path(directory)
     for part, arrays in (("weight", weights), ("EMA weight", (extra or {}).get("ema", {}))):
         bad = first_nonfinite(arrays)
@@ -232,7 +234,7 @@ def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optim
     tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        return _save(root, tmp, step, weights, optimizer, state, sync, extra)
+        return _save(root, tmp, step, weights, optimizer, state, sync, extra, warn or _stderr)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"checkpoint of step {step} could not be written to {root}: {e.strerror or e}"
@@ -243,8 +245,13 @@ def save(directory: str | Path, step: int, weights: dict[str, np.ndarray], optim
 
 def _save(root: Path, tmp: Path, step: int, weights: dict[str, np.ndarray], optimizer: dict[str, np.ndarray],
           state: dict[str, Any], sync: dict[str, np.ndarray] | None,
-          extra: dict[str, dict[str, np.ndarray]] | None) -> Path:
+          extra: dict[str, dict[str, np.ndarray]] | None, warn: Callable[[str], None]) -> Path:
     final = root / f"step_{step:08d}"
+    if final.is_dir():
+        problem = verify(final, cached=True)
+        if problem is not None:
+            moved = move_aside(final)
+            warn(f"checkpoint: {final} fails verification ({problem}); moved aside to {moved.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -258,7 +265,7 @@ def _save(root: Path, tmp: Path, step: int, weights: dict[str, np.ndarray], opti
     manifest = {"step": step, "created": time.time(), "run_id": state.get("run_id"),
                 "files": {n: {"sha256": file_sha256(tmp / n), "bytes": (tmp / n).stat().st_size} for n in names}}
     write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-    if final.exists():  # same step saved again (e.g. final save right after a periodic one)
+    if final.exists():  # same step saved again by this run (the final save right after a periodic one)
         old = root / f".old_step_{step:08d}_{os.getpid()}"
         final.rename(old)
         tmp.rename(final)

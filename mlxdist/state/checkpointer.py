@@ -231,21 +231,15 @@ class Checkpointer:
     def save(self, step: int, states: Mapping[str, Stateful]) -> Written | None:
         """Gather the run's parts by name (on every rank: a part may gather across ranks),
         then, where this rank writes, one checkpoint and its retention. None on a rank that
-        does not write. A copy of the same step there that fails verification (a rollback
-        saves steps again) is moved aside first, never replaced."""
+        does not write."""
         t0 = time.perf_counter()
         files, state = gather_states(states, self.writes)
         if not self.writes:
             return None
         notes: list[str] = []
-        same = self.write_dir / f"step_{step:08d}"
-        if same.is_dir():
-            problem = ckpt.verify(same, cached=True)
-            if problem is not None:
-                moved = ckpt.move_aside(same)
-                notes.append(f"checkpoint: {same} fails verification ({problem}); moved aside to {moved.name}")
         path = ckpt.save(self.write_dir, step, files.get("model", {}), files.get("optimizer", {}), state,
-                         sync=files.get("sync"), extra={k: files[k] for k in ckpt.EXTRA_FILES if k in files})
+                         sync=files.get("sync"), extra={k: files[k] for k in ckpt.EXTRA_FILES if k in files},
+                         warn=notes.append)
         ckpt.apply_retention(self.write_dir, self.cfg.keep_last, self.cfg.keep_best,
                              run_ids=self.lineage if self.lineage is not None else {state.get("run_id")}, newest=path,
                              warn=notes.append)

@@ -221,14 +221,22 @@ def load_checkpoint(module: str, where: str | os.PathLike
     from ..state import checkpoint as ckpt
 
     s = current(module)
-    loaded = None
+    loaded, unverified = None, []
     if s.world.is_main:
         p = Path(where)
         if (p / ckpt.MANIFEST).is_file():
             loaded = ckpt.load(p)
         else:
-            loaded = ckpt.load_latest(p / "checkpoints" if (p / "checkpoints").is_dir() else p,
-                                      warn=lambda m: sys.stderr.write(f"{module}: {m}\n"))
+            root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+            loaded = ckpt.load_latest(root, warn=lambda m: sys.stderr.write(f"{module}: {m}\n"))
+            unverified = [] if loaded is not None else [f"{c.name}: {ckpt.verify(c)}" for c in ckpt.list_checkpoints(root)]
+    unverified = s.world.bcast(unverified if s.world.is_main else None)
+    if unverified:  # starting over would write new steps over them
+        err = ConfigError(f"{module}.load_checkpoint({where}): none of its {len(unverified)} checkpoint(s) verifies "
+                          f"({'; '.join(unverified)}); nothing was changed: look at them, then move them out of {where} "
+                          "to start afresh (a new run would write its steps over them)")
+        err.quiet = s.rank != 0
+        raise err
     found = s.world.bcast(None if loaded is None else loaded.state)
     if found is None:
         return None
