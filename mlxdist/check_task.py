@@ -28,7 +28,7 @@ from .config import Config, ConfigError, load_config
 from .data.sampler import StreamIndices
 from .tasks import Task, tree_map
 from .tasks.fingerprint import sample_bytes
-from .tasks.load import checked, resolve_task
+from .tasks.load import checked, config_file, resolve_task
 
 
 @dataclass
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_process(args.engine)  # the Linux BLAS re-exec, before MLX loads
     try:
+        config_file(args.config)
         cfg = load_config(args.config, args.overrides)
         result = check_task(resolve_task(cfg), args.engine, args.device, cfg)
     except (ConfigError, RuntimeError, ValueError, OSError) as e:

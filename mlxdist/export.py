@@ -1,6 +1,11 @@
-"""`python -m mlxdist.export RUN_DIR --out DIR`: a trained pretrained-base run as a HF directory,
-or a run of a task (`task.factory`) as files its own code loads (`export_task.py`);
-`--base DIR --adapter ADAPTER --format mlx-lm|fused`: an adapter for mlx-lm, or merged.
+"""`python -m mlxdist.export RUN_DIR --out DIR`: a trained pretrained-base run as a HF directory;
+`... --task MODULE:CALLABLE` (or `--config YAML`): a run of that task as files its own code loads
+(`export_task.py`); `--base DIR --adapter ADAPTER --format mlx-lm|fused`: an adapter for mlx-lm,
+or merged.
+
+A task's factory is named on the command line, never taken from the checkpoint: rebuilding the
+model imports and calls it, and a state.json is data that whoever can write the run folder can
+rewrite. The checkpoint's task.factory is only compared with the one given.
 
 The directory (config.json, model.safetensors, tokenizer files) opens with transformers'
 `from_pretrained` and mlx-lm's `load` as it is, so a fine-tune leaves this project in the
@@ -77,14 +82,22 @@ def export_hf(weights: dict[str, np.ndarray], base_path: str | os.PathLike, out_
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.export",
                                 description="Export a run's newest valid checkpoint: a pretrained model's run as a "
-                                            "Hugging Face directory; a task's run (task.factory) as the model's whole "
-                                            "state dict, its EMA and a PEFT adapter, for your own code (run it from "
-                                            "the directory you trained from, so the task's module imports).")
+                                            "Hugging Face directory; a task's run, with --task naming the "
+                                            "task.factory it trained with, as the model's whole state dict, its EMA "
+                                            "and a PEFT adapter, for your own code (run it from the directory you "
+                                            "trained from, so the task's module imports).")
     p.add_argument("run_dir", nargs="?", help="the run directory (holds checkpoints/)")
     p.add_argument("--out", required=True, help="directory to write (must be empty or absent)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
                    help="dtype of the written weights (default float32; a task's export keeps the model's own dtypes)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--task", metavar="MODULE:CALLABLE",
+                   help="a task's run: the task.factory that rebuilds its model, the one it was trained with; "
+                        "export imports and calls it, so name only code you trust (without --task, export says "
+                        "which factory the checkpoint names and imports nothing)")
+    p.add_argument("--config", metavar="YAML",
+                   help="a task's run: your config; its task.factory counts as --task, and its task.args, where it "
+                        "sets them, replace the checkpoint's (e.g. a base's path on this machine)")
     p.add_argument("--base", help="with --adapter: the base model directory (Hugging Face layout)")
     p.add_argument("--adapter", help="a PEFT adapter dir (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--format", choices=("mlx-lm", "fused"), default="fused",
@@ -114,9 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     if loaded is None:
         print(f"error: {args.run_dir}: no valid checkpoint in {checkpoints}", file=sys.stderr)
         return 2
+    from .export_task import trained_factory
+
+    if trained_factory(loaded.state):
+        return _export_task(loaded, out, args)
+    if args.task or args.config:
+        print(f"error: {'--task' if args.task else '--config'}: {loaded.path} trained the built-in language "
+              "model, not a task; drop it", file=sys.stderr)
+        return 2
     config = loaded.state.get("config", {})
-    if (config.get("task") or {}).get("factory"):
-        return _export_task(loaded, out, args.dtype)
     base = config.get("model", {}).get("path")
     if not base:
         print(f"error: {loaded.path}: the run did not start from a pretrained model (model.path is unset); "
@@ -132,20 +151,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _export_task(loaded, out: Path, dtype: str | None) -> int:
-    """A task's run: the model rebuilt by its factory, the checkpoint over it, the whole state out."""
-    from .export_task import TaskExportError, export_task
+def _named_task(loaded, args: argparse.Namespace) -> tuple[str | None, str, dict | None]:
+    """(the factory the user named, where, the task.args of their --config or None): from
+    --task and --config only, so nothing the checkpoint says picks the code."""
+    from .config import ConfigError, load_config
+    from .export_task import TaskExportError
 
-    factory = loaded.state["config"]["task"]["factory"]
-    if dtype is not None:
-        print(f"error: --dtype {dtype}: a task's export ({factory}) writes each tensor in the model's own dtype; "
-              "drop --dtype (cast in your own code after loading)", file=sys.stderr)
+    if not args.config:
+        return args.task, "--task", None
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        raise TaskExportError(str(e)) from None
+    named = cfg.task.factory
+    if not named:
+        raise TaskExportError(f"--config {args.config}: sets no task.factory; give your task's config, or --task")
+    if args.task and args.task != named:
+        raise TaskExportError(f"--task {args.task} and --config {args.config} (task.factory {named}) name "
+                              "different factories; give one")
+    return named, "--task" if args.task else f"--config {args.config}", \
+        dict(cfg.task.args) if "task.args" in cfg.explicit else None
+
+
+def _export_task(loaded, out: Path, args: argparse.Namespace) -> int:
+    """A task's run: the model rebuilt by the factory the user named, the checkpoint over it,
+    the whole state out."""
+    from .export_task import TaskExportError, check_factory, export_task
+
+    try:
+        named, where, task_args = _named_task(loaded, args)
+        factory = check_factory(loaded, named, where)
+    except TaskExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dtype is not None:
+        print(f"error: --dtype {args.dtype}: a task's export ({factory}) writes each tensor in the model's own "
+              "dtype; drop --dtype (cast in your own code after loading)", file=sys.stderr)
         return 2
     if out.exists() and not out.is_dir():
         print(f"error: --out {out}: a file, not a directory", file=sys.stderr)
         return 2
     try:
-        result = export_task(loaded, out)
+        result = export_task(loaded, out, factory, task_args)
     except TaskExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,11 @@ seed, on the CPU), the checkpoint is loaded over it, and the model's *whole* sta
 Each file is loaded strictly into a freshly built model and compared with what was written
 before the export counts as done; everything is written into a temporary directory first, so
 a failed export leaves no half of one behind. The run's checkpoints are only read.
+
+Rebuilding the model means importing the task's module and calling its factory, which runs
+that code. A checkpoint is only data that anyone who can write the folder can rewrite (its
+sha256 manifest catches a torn write, not someone who re-hashes), so the factory is the one
+the user names (`--task`), imported only when the checkpoint names the same one.
 """
 
 from __future__ import annotations
@@ -246,16 +251,53 @@ class _Build:
         return built.module, built.fingerprint
 
 
-def export_task(loaded: ckpt.Loaded, out: str | os.PathLike) -> Result:
+def shown(value: Any) -> str:
+    """A name read from a checkpoint, printable on one line whatever it holds."""
+    plain = isinstance(value, str) and value and value.isprintable() and value.strip() == value
+    return value if plain else repr(value)
+
+
+def trained_factory(state: dict[str, Any]) -> Any:
+    """The task.factory a checkpoint's state.json names (None for the built-in LM), read as
+    plain data: never imported here."""
+    config = state.get("config") if isinstance(state, dict) else None
+    task = config.get("task") if isinstance(config, dict) else None
+    return task.get("factory") if isinstance(task, dict) else None
+
+
+def check_factory(loaded: ckpt.Loaded, given: str | None, where: str = "--task") -> str:
+    """`given` once it is the factory the checkpoint was trained with. The user's name is what
+    makes importing it acceptable; the checkpoint's is only compared with it, so a rewritten
+    state.json can refuse an export but never choose the code it runs."""
+    trained = trained_factory(loaded.state)
+    if given is None:
+        raise TaskExportError(f"{loaded.path}: the checkpoint was trained with task.factory {shown(trained)}; export "
+                              "imports and calls it to rebuild the model, and imports only code you name: pass "
+                              f"--task {shown(trained)} if you trust that code")
+    if given != trained:
+        raise TaskExportError(f"{where} names task.factory {shown(given)}, but {loaded.path} was trained with "
+                              f"task.factory {shown(trained)}; nothing was imported: pass --task {shown(trained)} "
+                              f"if you trust that code, or export a run of {shown(given)}")
+    return given
+
+
+def export_task(loaded: ckpt.Loaded, out: str | os.PathLike, factory: str,
+                args: dict[str, Any] | None = None) -> Result:
     """Write the task run's checkpoint `loaded` into `out` (which exists and may hold files,
-    replaced by name). Raises TaskExportError (one line) for anything the user must fix."""
+    replaced by name). `factory` is the task.factory the user named: it must be the one the
+    checkpoint was trained with (see `check_factory`). `args` (the user's task.args) replace the
+    checkpoint's, which are only data handed to the code the user named. Raises TaskExportError
+    (one line) for anything the user must fix."""
+    check_factory(loaded, factory)
     state = loaded.state
     try:
         cfg = config_from_dict(state.get("config", {}))
     except ConfigError as e:
         raise TaskExportError(f"{loaded.path}: its saved config does not read: {e}") from None
+    if args is not None:
+        cfg.task.args = dict(args)  # build(ctx) sees the args its factory was called with
     try:
-        task = task_from_factory(cfg.task.factory, dict(cfg.task.args))
+        task = task_from_factory(factory, dict(cfg.task.args))
     except ConfigError as e:  # TaskError is one
         raise TaskExportError(str(e)) from None
     engine_name = state.get("engine", "mlx")

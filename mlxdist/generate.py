@@ -266,11 +266,16 @@ def _load_checkpoint(source: Path) -> tuple[Config, dict]:
         if loaded is None:
             raise ckpt.CheckpointError(f"--checkpoint {source}: no valid checkpoint under it "
                                        "(give an mlxdist run dir or one of its checkpoints/step_* dirs)")
+    from .export_task import shown, trained_factory
+
+    factory = trained_factory(loaded.state)
+    if factory:  # read as data: generate never imports a task's code
+        run = loaded.path.parent.parent if loaded.path.parent.name == "checkpoints" else "RUN_DIR"
+        raise ckpt.CheckpointError(f"{loaded.path}: trained task.factory={shown(factory)}, not the built-in language "
+                                   "model, and generate imports no task code; export the model's weights with "
+                                   f"python -m mlxdist.export {run} --out DIR --task {shown(factory)} (if you "
+                                   "trust that code) and load them into your model")
     cfg = config_from_dict(loaded.state["config"])
-    if cfg.task.factory:
-        raise ckpt.CheckpointError(f"{loaded.path}: trained task.factory={cfg.task.factory}, not the built-in "
-                                   "language model; load its weights (model.safetensors, by parameter name) "
-                                   "into your model to use it")
     return cfg, loaded.weights
 
 

@@ -142,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.memory and not args.hostfile:
             raise ConfigError("--memory: sizes a --hostfile's hosts; with --hosts write NAME=SIZE there")
+        from .tasks.load import config_file
+
+        config_file(args.config, "--config")
         cfg = load_config(args.config, args.overrides)
         if args.hosts:
             hosts, source = parse_hosts(args.hosts), "--hosts"

@@ -27,6 +27,7 @@ COMMON = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "train
           "train.steps=3", "checkpoint.every=3", "train.batch_size=8", "train.lr=1e-2"]
 TORCH = ["--engine", "torch", "--device", "cpu"]
 STEP = "step_00000003"
+TORCH_BN, MLX_BN, TORCH_LORA = "export_tasks:torch_bn", "export_tasks:mlx_bn", "export_tasks:torch_lora"
 
 
 def _users_module():
@@ -45,11 +46,12 @@ def _train(run: Path, *args: str) -> Path:
     return run
 
 
-def export(run: Path, out: Path, *args: str, cwd: Path = HERE, extra_env: dict | None = None, cli: bool = False):
-    """`python -m mlxdist.export RUN --out OUT ARGS` from `cwd`: the real command line when `cli`,
-    else its `main` in this process (the same code, without a fresh interpreter's torch import
-    per call; the task's module is read from `cwd` either way)."""
-    argv = [str(run), "--out", str(out), *args]
+def export(run: Path, out: Path, *args: str, task: str, cwd: Path = HERE, extra_env: dict | None = None,
+           cli: bool = False):
+    """`python -m mlxdist.export RUN --out OUT --task TASK ARGS` from `cwd`: the real command line
+    when `cli`, else its `main` in this process (the same code, without a fresh interpreter's torch
+    import per call; the task's module is read from `cwd` either way)."""
+    argv = [str(run), "--out", str(out), "--task", task, *args]
     if cli:
         return subprocess.run([sys.executable, "-m", "mlxdist.export", *argv], capture_output=True, text=True,
                               timeout=300, cwd=cwd, env=env() | (extra_env or {}))
@@ -79,18 +81,18 @@ def _one_error(r: subprocess.CompletedProcess, *words: str) -> str:
 
 @pytest.fixture(scope="module")
 def torch_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("torch") / "run", *TORCH, "task.factory=export_tasks:torch_bn")
+    return _train(tmp_path_factory.mktemp("torch") / "run", *TORCH, f"task.factory={TORCH_BN}")
 
 
 @pytest.fixture(scope="module")
 def torch_ema_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("torch-ema") / "run", *TORCH, "task.factory=export_tasks:torch_bn",
+    return _train(tmp_path_factory.mktemp("torch-ema") / "run", *TORCH, f"task.factory={TORCH_BN}",
                   "train.ema=0.9")
 
 
 @pytest.fixture(scope="module")
 def mlx_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("mlx") / "run", "task.factory=export_tasks:mlx_bn", "train.ema=0.9")
+    return _train(tmp_path_factory.mktemp("mlx") / "run", f"task.factory={MLX_BN}", "train.ema=0.9")
 
 
 def _ema(run: Path) -> dict[str, np.ndarray]:
@@ -108,7 +110,7 @@ def test_torch_whole_state_loads_strictly_into_the_users_class(torch_run, tmp_pa
 
     before = _digests(torch_run)
     out = tmp_path / "out"
-    r = export(torch_run, out, cli=True)  # the real command line, once
+    r = export(torch_run, out, task=TORCH_BN, cli=True)  # the real command line, once
     assert r.returncode == 0, r.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "README.txt"}
     assert "load_state_dict" in r.stdout and "strict=True" in (out / "README.txt").read_text()
@@ -134,7 +136,7 @@ def test_mlx_whole_state_loads_strictly_into_the_users_class(mlx_run, tmp_path):
     from mlx.utils import tree_flatten
 
     out = tmp_path / "out"
-    r = export(mlx_run, out)
+    r = export(mlx_run, out, task=MLX_BN)
     assert r.returncode == 0, r.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "model_ema.safetensors", "README.txt"}
     assert "load_weights" in r.stdout
@@ -157,7 +159,7 @@ def test_ema_beside_the_weights(torch_ema_run, tmp_path):
 
     ema = _ema(torch_ema_run)
     out = tmp_path / "out"
-    r = export(torch_ema_run, out)
+    r = export(torch_ema_run, out, task=TORCH_BN)
     assert r.returncode == 0, r.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "model_ema.safetensors", "README.txt"}
     model = _users_module().torch_net()
@@ -177,7 +179,7 @@ def test_mlx_ema(mlx_run, tmp_path):
 
     ema = _ema(mlx_run)
     out = tmp_path / "out"
-    assert export(mlx_run, out).returncode == 0
+    assert export(mlx_run, out, task=MLX_BN).returncode == 0
     model = _users_module().mlx_net()
     model.load_weights(str(out / "model_ema.safetensors"), strict=True)
     got = dict(tree_flatten(model.parameters()))
@@ -192,7 +194,7 @@ def lora_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora")
     base = make_llama(root / "base", vocab_size=64, tokenizer=False)
-    run = _train(root / "run", *TORCH, "train.batch_size=4", "task.factory=export_tasks:torch_lora",
+    run = _train(root / "run", *TORCH, "train.batch_size=4", f"task.factory={TORCH_LORA}",
                  f"task.args={{base: {base}}}", "train.ema=0.9")
     return run, base
 
@@ -206,7 +208,7 @@ def test_peft_adapter_loads_with_from_pretrained(lora_run, tmp_path):
     run, base = lora_run
     ema = _ema(run)  # trained with train.ema: adapter_ema/ beside adapter/
     out = tmp_path / "out"
-    r = export(run, out)
+    r = export(run, out, task=TORCH_LORA)
     assert r.returncode == 0, r.stderr[-3000:]
     for adapter in ("adapter", "adapter_ema"):
         assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (out / adapter).iterdir()}
@@ -263,9 +265,10 @@ def test_out_not_empty_needs_force_and_never_inside_the_checkpoints(torch_run, t
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    _one_error(export(torch_run, out), "not empty", "--force")
-    _one_error(export(torch_run, torch_run / "checkpoints" / STEP, "--force"), "inside the run's checkpoints")
-    r = export(torch_run, out, "--force")
+    _one_error(export(torch_run, out, task=TORCH_BN), "not empty", "--force")
+    _one_error(export(torch_run, torch_run / "checkpoints" / STEP, "--force", task=TORCH_BN),
+               "inside the run's checkpoints")
+    r = export(torch_run, out, "--force", task=TORCH_BN)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "keep.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".export-")]
@@ -273,28 +276,30 @@ def test_out_not_empty_needs_force_and_never_inside_the_checkpoints(torch_run, t
 
 def test_no_checkpoint(tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    _one_error(export(tmp_path / "run", tmp_path / "out"), "no valid checkpoint")
+    _one_error(export(tmp_path / "run", tmp_path / "out", task=TORCH_BN), "no valid checkpoint")
 
 
 def test_factory_not_importable_says_where_to_run_from(torch_run, tmp_path):
     # A fresh process: this one has imported export_tasks already.
-    line = _one_error(export(torch_run, tmp_path / "out", cwd=tmp_path, cli=True), "export_tasks")
+    line = _one_error(export(torch_run, tmp_path / "out", task=TORCH_BN, cwd=tmp_path, cli=True), "export_tasks")
     assert "run from the directory that holds export_tasks.py" in line
     assert not (tmp_path / "out").exists()
 
 
 def test_dtype_is_the_models_own(torch_run, tmp_path):
-    _one_error(export(torch_run, tmp_path / "out", "--dtype", "float16"), "--dtype", "model's own dtype")
+    _one_error(export(torch_run, tmp_path / "out", "--dtype", "float16", task=TORCH_BN), "--dtype",
+               "model's own dtype")
 
 
 def test_another_frozen_base_is_refused(torch_run, tmp_path):
-    _one_error(export(torch_run, tmp_path / "out", extra_env={"BASE_SEED": "1"}), "frozen weights",
-               "not the ones the run trained on")
+    _one_error(export(torch_run, tmp_path / "out", task=TORCH_BN, extra_env={"BASE_SEED": "1"}),
+               "frozen weights", "not the ones the run trained on")
 
 
 def test_a_model_that_does_not_load_strictly_is_named(torch_run, tmp_path):
     out = tmp_path / "out"
-    line = _one_error(export(torch_run, out, extra_env={"EXPORT_BROKEN": "1"}), "does not load strictly",
+    line = _one_error(export(torch_run, out, task=TORCH_BN, extra_env={"EXPORT_BROKEN": "1"}),
+                      "does not load strictly",
                       "missing keys body.0.bias, body.0.weight, body.1.bias (+", "unexpected keys trunk.0.bias")
     assert "Broken" in line
     assert not out.exists()  # nothing half-written
@@ -306,4 +311,4 @@ def test_a_checkpoint_the_model_does_not_match_is_named(torch_run, tmp_path):
     loaded = ckpt.load(copy / "checkpoints" / STEP)
     weights = dict(loaded.weights) | {"body.9.weight": np.zeros(2, np.float32)}
     ckpt.save(copy / "checkpoints", 3, weights, loaded.optimizer, loaded.state, loaded.sync)
-    _one_error(export(copy, tmp_path / "out"), "body.9.weight", "lacks")
+    _one_error(export(copy, tmp_path / "out", task=TORCH_BN), "body.9.weight", "lacks")

@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..config import Config
@@ -96,6 +97,24 @@ def check_keys_apply(cfg: Config, task: Task) -> None:
         raise TaskError(f"task {task.name}: {', '.join(ignored)} {'is' if one else 'are'} set, but a task brings its "
                         f"own model and data, so {they} would change nothing; remove {them}, or, where the task "
                         f"reads {them} from ctx.config, list {them} in Task(config_keys=(...))")
+
+
+def config_file(path: str | os.PathLike | None, flag: str = "") -> None:
+    """Refuse a run folder or a checkpoint where a tool takes the user's config: the tool
+    imports the task.factory its config names, and a checkpoint's state.json is data anyone
+    who can write the folder can rewrite, so the factory comes only from a file the user names."""
+    if path is None:
+        return
+    p, where = Path(path), f"{flag} {path}".strip()
+    checkpoint = (p / "manifest.json").is_file() or (p / "state.json").is_file()
+    if p.is_dir() and (checkpoint or (p / "checkpoints").is_dir()):
+        raise TaskError(f"{where}: a run or checkpoint directory, not a config file; give the YAML config you "
+                        "trained with (nothing in a checkpoint is imported)")
+    if p.is_dir():
+        raise TaskError(f"{where}: a directory, not a config file; give a YAML config")
+    if p.name in ("state.json", "manifest.json") and (p.parent / "manifest.json").is_file():
+        raise TaskError(f"{where}: a checkpoint's {p.name}, not a config file; give the YAML config you "
+                        "trained with (nothing in a checkpoint is imported)")
 
 
 def resolve_task(cfg: Config, say: Callable[[str], None] | None = None) -> Task:
