@@ -246,3 +246,11 @@ def test_your_loop_does_not_start_over_on_checkpoints_none_of_which_verifies(tmp
     with pytest.raises(ConfigError, match=r"none of its 1 checkpoint\(s\) verifies \(step_00000002: no manifest"):
         md.load_checkpoint(tmp_path, model)
     assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.5])
+def test_your_loop_stall_timeout_must_be_finite(value):
+    import mlxdist.torch as md
+
+    with pytest.raises(ConfigError, match=r"init\(stall_timeout=.*\): give a finite number of seconds >= 1"):
+        md.init(stall_timeout=value)

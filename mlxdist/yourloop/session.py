@@ -8,6 +8,7 @@ framework modules add what touches tensors; everything here is numbers and numpy
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -99,6 +100,9 @@ def start(framework: str, config: str | os.PathLike | Config | None = None, back
           stall_timeout: float | None = None, metrics_port: int | None = None) -> Session:
     """The process's session (made once; a second call returns the first)."""
     global _SESSION
+    if stall_timeout is not None and not (math.isfinite(stall_timeout) and stall_timeout >= 1.0):
+        raise ConfigError(f"init(stall_timeout={stall_timeout!r}): give a finite number of seconds >= 1 "
+                          "(a NaN would turn stall detection off)")
     if _SESSION is not None:
         return _SESSION
     refuse_torchrun()
