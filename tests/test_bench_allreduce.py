@@ -50,7 +50,7 @@ RING = textwrap.dedent("""
     import mlx.core as mx
     import numpy as np
     from mlxdist.cluster.collective import Mpi4pyCollective, ring_allreduce
-    from mlxdist.engine.common import checksum
+    from mlxdist.models.weights import checksum
     from mlxdist.sync.grad import GradSync
     from mlxdist.cluster.world import init_world
 

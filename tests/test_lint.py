@@ -42,3 +42,13 @@ def test_ruff_sees_every_python_file(ruff):
 def test_ruff_is_clean(ruff):
     r = subprocess.run([ruff, "check", "."], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:]
+
+
+def test_import_contracts_hold():
+    """The arrows DESIGN forbids (engine -> sync/cluster, models -> engine, control -> cluster,
+    cluster -> sync, product -> rig/bench), as pyproject.toml's import-linter contracts."""
+    exe = shutil.which("lint-imports")
+    if exe is None:
+        pytest.skip("import-linter is not installed (pip install -e '.[dev]')")
+    r = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "0 broken" in r.stdout, r.stdout[-3000:]

@@ -271,7 +271,7 @@ def test_device_selection() -> None:
 
 def test_torch_ranks_refuse_an_mlx_backend() -> None:
     from mlxdist.config import ConfigError
-    from mlxdist.engine import make_world
+    from mlxdist.training.wiring import make_world
 
     cfg = _cfg()
     cfg.dist.backend = "mlx-ring"

@@ -7,8 +7,7 @@ here, in numpy, not twice in two frameworks.
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -56,14 +55,6 @@ def sample_tokens(next_logits: Callable[[list[int]], np.ndarray], prompt: list[i
         if stop and nxt in stop:
             break
     return out
-
-
-def checksum(arrays: Iterable[np.ndarray]) -> int:
-    """Bit-exact fingerprint of a set of arrays: equal on all ranks iff weights agree."""
-    crc = 0
-    for a in arrays:
-        crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
-    return crc
 
 
 def task_optimizers(task, model, kind: type, what: str) -> list:

@@ -19,11 +19,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import Config
 from ..models.build import built_from_task
+from ..models.weights import checksum
 from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from ..tasks.metrics import MetricSums, split_loss
 from .base import LocalGradients, Piece, StepStats, as_batch, check_scalar, nothing_to_learn
-from .common import check_weights, checksum, decays, sample_tokens, task_optimizers
+from .common import check_weights, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mlx_memory_limit, with_override
 from .staged import HoldsBatches, Output, Staged, StagedShardOps, model_input
 

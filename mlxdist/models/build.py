@@ -198,6 +198,6 @@ def _frozen_fingerprint(frozen: dict[str, Any]) -> str | None:
         return None
     import numpy as np
 
-    from ..engine.common import checksum
+    from .weights import checksum
 
     return f"frozen weights {checksum(np.asarray(frozen[n], np.float32) for n in sorted(frozen)):08x}"

@@ -27,7 +27,7 @@ from ..control.plan import Decision
 from ..data import GlobalSampler
 from ..data.batch import BatchMaker
 from ..data.feed import StepFeed
-from ..engine import make_engine, make_reducer, make_world
+from ..engine import make_engine
 from ..engine.base import Engine, StepStats, set_model
 from ..engine.memory import MemoryReading
 from ..markers import RestartCounts, announce_complete
@@ -57,6 +57,7 @@ from .evaluation import Evaluator
 from .hooks import HookError, Hooks
 from .next_steps import next_line, spelling
 from .states import ClusterInfo, ModelState, TaskState
+from .wiring import make_reducer, make_world
 
 
 class Trainer:
