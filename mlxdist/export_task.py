@@ -82,9 +82,9 @@ class _Torch:
     @staticmethod
     def flipped(name: str) -> bool:
         """The torch engine stores a trained `*.lora_a` / `*.lora_b` transposed (mlx-lm's layout)."""
-        from .engine.torch_engine import _flipped
+        from .engine.torch_engine import flipped
 
-        return _flipped(name)
+        return flipped(name)
 
     def load(self, model, arrays: dict[str, np.ndarray], trained: set[str]) -> None:
         tensors = self.state(model)

@@ -136,7 +136,7 @@ class DistributedTrainer:
 
     def create_optimizer(self, model=None):
         opt = super().create_optimizer() if model is None else super().create_optimizer(model)
-        if not isinstance(opt, md._Distributed):
+        if not isinstance(opt, md.DistributedOptimizer):
             self.optimizer = md.DistributedOptimizer(opt, self.model)
             _start_from_rank_0(self.model, self.optimizer)
         self._md_opt = self.optimizer
@@ -208,10 +208,10 @@ def _start_from_rank_0(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     with torch.no_grad():
         for name in differ:
             t = state[name]
-            arrays = s.world.broadcast_arrays({name: md._numpy(t)} if s.rank == 0 else {}, 0)
+            arrays = s.world.broadcast_arrays({name: md.to_numpy(t)} if s.rank == 0 else {}, 0)
             t.copy_(torch.from_numpy(np.array(arrays[name])).to(t.dtype))
     if optimizer.state:  # a fresh optimizer has none
-        optimizer.load_state_dict(s.world.bcast(md._cpu(optimizer.state_dict()) if s.rank == 0 else None, 0))
+        optimizer.load_state_dict(s.world.bcast(md.to_cpu(optimizer.state_dict()) if s.rank == 0 else None, 0))
     if differ and s.rank == 0:
         write_line(f"{_NAME}: {len(differ)} of {len(state)} tensors differed between ranks; every rank has "
                    "rank 0's now")

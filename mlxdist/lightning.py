@@ -43,7 +43,6 @@ from typing import Any
 import torch
 
 from . import torch as md
-from .yourloop import session as _session
 
 _NAME = "mlxdist.lightning"
 _CLASSES: dict[str, type] = {}
@@ -192,7 +191,7 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
 
         def setup_environment(self) -> None:
             super().setup_environment()
-            _session.current(md._NAME).device = str(self.root_device)
+            md.set_device(self.root_device)
 
         def setup(self, trainer: Any) -> None:
             # The training sampler is ours (process_dataloader); Lightning's would be torch's.
@@ -208,7 +207,7 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
             md.broadcast(module)
             if self.world_size > 1:  # rank 0's optimizer state (a resumed run's is loaded after setup)
                 for opt in self.optimizers:
-                    opt.load_state_dict(md.broadcast_object(md._cpu(opt.state_dict()) if self.is_global_zero else None))
+                    opt.load_state_dict(md.broadcast_object(md.to_cpu(opt.state_dict()) if self.is_global_zero else None))
             if not any(isinstance(c, _StopTogether) for c in trainer.callbacks):
                 trainer.callbacks.append(_StopTogether())
 
@@ -280,11 +279,10 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
             count = self._units()
             scale = trainer.accumulate_grad_batches * (count if self.reduction == "mean" else 1)
             last = not trainer.fit_loop._should_accumulate()
-            if last and dist._md_sync is not None:  # send buckets while this backward runs
-                dist._md_sync.arm(dist._md_grads)
-                dist._md_armed = True
+            if last:  # send buckets while this backward runs
+                dist.send_during_backward()
             out = super().backward(closure_loss * scale, optimizer, *args, **kwargs)
-            dist._md_count = (dist._md_count or 0) + int(count)
+            dist.add_count(count)
             return out
 
         def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -296,10 +294,9 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
                     raise RuntimeError(f"{_NAME}: training_step returned None on rank {self.global_rank} (a skipped "
                                        "batch); the other ranks would wait for its gradients: return the loss with "
                                        "{'loss': loss, 'count': 0} instead")
-                total = dist.synchronize()
-            else:
-                total = dist.synchronize(count=self._units())
-            dist._md_synced = None  # the step is the optimizer's own, after clipping below
+            # own_step: the step is the optimizer's own, after clipping below, not dist.step()'s.
+            count = None if module.automatic_optimization else self._units()
+            total = dist.synchronize(count, own_step=True)
             if total == 0:
                 optimizer.zero_grad(set_to_none=True)  # no unit anywhere: the update is skipped
             return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
@@ -337,7 +334,7 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
             if self.world_size == 1 or builtins.all(md.all_gather(os.path.exists(str(checkpoint_path)))):
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             ckpt = super().load_checkpoint(checkpoint_path, weights_only=weights_only) if self.is_global_zero else None
-            return md.broadcast_object(md._cpu(ckpt))
+            return md.broadcast_object(md.to_cpu(ckpt))
 
         @classmethod
         def register_strategies(cls, strategy_registry: Any) -> None:

@@ -54,6 +54,12 @@ def info() -> Info:
     return _session.info(_NAME)
 
 
+def set_device(device: str | torch.device) -> None:
+    """This rank's device when it is known only after `init()` (Lightning's accelerator), so
+    `info().device` names the one in use."""
+    _session.current(_NAME).device = str(device)
+
+
 def shares(global_batch: int) -> list[int]:
     """Every rank's samples of each global batch (from `nodes:`; equal without a config)."""
     return _session.current(_NAME).shares(global_batch)
@@ -88,12 +94,12 @@ def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = 
     state = model.state_dict()
     _session.check_same_shapes(s, {n: tuple(t.shape) for n, t in state.items()}, f"{_NAME}.broadcast")
     if s.size > 1:
-        arrays = s.world.broadcast_arrays({n: _numpy(t) for n, t in state.items()}, root)
+        arrays = s.world.broadcast_arrays({n: to_numpy(t) for n, t in state.items()}, root)
         with torch.no_grad():
             for name, t in state.items():
                 t.copy_(torch.from_numpy(np.array(arrays[name])).to(t.dtype))
         if optimizer is not None:
-            theirs = s.world.bcast(_cpu(optimizer.state_dict()) if s.rank == root else None, root)
+            theirs = s.world.bcast(to_cpu(optimizer.state_dict()) if s.rank == root else None, root)
             optimizer.load_state_dict(theirs)
 
 
@@ -114,7 +120,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     checksums), by rank 0 while the others wait: the model's whole state dict, the optimizer's
     state and `state` (JSON values: an epoch, a best score). The newest `keep_last` are kept.
     Returns the path on rank 0."""
-    arrays = {n: _numpy(t) for n, t in model.state_dict().items()}
+    arrays = {n: to_numpy(t) for n, t in model.state_dict().items()}
     opt_arrays: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {"user": state}
     if optimizer is not None:
@@ -123,7 +129,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
         for i, st in sd["state"].items():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
-                    opt_arrays[f"{i}.{k}"] = _numpy(v)
+                    opt_arrays[f"{i}.{k}"] = to_numpy(v)
                 else:
                     meta["scalars"][f"{i}.{k}"] = v
     return _session.save_checkpoint(_NAME, run_dir, step, arrays, opt_arrays, meta, keep_last)
@@ -156,9 +162,30 @@ def load_checkpoint(where: str | Path, model: torch.nn.Module, optimizer: torch.
     return {"step": meta["step"], **meta["user"]}
 
 
-class _Distributed:
-    """Mixed into the optimizer's own class, so LR schedulers and `isinstance` see the
-    optimizer they expect, sharing its state (`__dict__`)."""
+class DistributedOptimizer:
+    """`optimizer` whose step sums gradients over ranks and divides by the cluster's units
+    (`backward(loss, count)` or `step(count=N)`). `reduction`: how the loss covers its units,
+    'mean' (torch's default: it is weighed by `count`) or 'sum'.
+
+    The object's class is built per optimizer class (`DistributedAdamW`: this and AdamW), and
+    it shares the optimizer's state (`__dict__`): LR schedulers and `isinstance` see the
+    optimizer they expect, and `isinstance(opt, DistributedOptimizer)` tells a wrapped one."""
+
+    def __new__(cls, optimizer: torch.optim.Optimizer | None = None, model: torch.nn.Module | None = None,
+                reduction: str = "mean", bucket_mb: float = 25.0, wire_dtype: str = "float32",
+                overlap: bool = True) -> DistributedOptimizer:
+        if cls is not DistributedOptimizer:  # a built class's bare object (copy.deepcopy)
+            return super().__new__(cls)
+        if optimizer is None or model is None:
+            raise TypeError(f"{_NAME}.DistributedOptimizer(optimizer, model): both are needed")
+        built = type(f"Distributed{type(optimizer).__name__}", (DistributedOptimizer, type(optimizer)), {})
+        dist = object.__new__(built)
+        dist.__dict__ = optimizer.__dict__
+        dist._setup(model, reduction, bucket_mb, wire_dtype, overlap)
+        return dist
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: `__new__` made the object, and the optimizer's own `__init__` already ran."""
 
     def _setup(self, model: torch.nn.Module, reduction: str, bucket_mb: float, wire_dtype: str,
                overlap: bool) -> None:
@@ -182,10 +209,21 @@ class _Distributed:
         if self._md_armed:
             raise RuntimeError(f"{_NAME}: backward() twice in one step; wrap all but the step's last backward in "
                                "`with optimizer.no_sync():` (gradient accumulation)")
-        if self._md_sync is not None and not self._md_quiet:
+        if not self._md_quiet:
+            self.send_during_backward()
+        (loss * count if self._md_reduction == "mean" else loss).backward()
+        self.add_count(count)
+
+    def send_during_backward(self) -> None:
+        """For a caller that runs the step's last backward itself (Lightning, which scales the
+        loss its own way): buckets go out as that backward finishes them. Nothing on one rank."""
+        if self._md_sync is not None:
             self._md_sync.arm(self._md_grads)
             self._md_armed = True
-        (loss * count if self._md_reduction == "mean" else loss).backward()
+
+    def add_count(self, count: int) -> None:
+        """`count` more units in this step, for a backward the caller ran itself on a loss
+        weighed as `backward()` weighs it."""
         self._md_count = (self._md_count or 0) + int(count)
 
     @contextmanager
@@ -197,14 +235,16 @@ class _Distributed:
         finally:
             self._md_quiet = False
 
-    def synchronize(self, count: int | None = None) -> int:
+    def synchronize(self, count: int | None = None, *, own_step: bool = False) -> int:
         """Sum gradients over ranks and divide by the cluster's units; returns those units.
         `count`: this rank's units when backward was plain `loss.backward()`. Call it before
-        clipping by the global norm; `step()` then does not sum again."""
+        clipping by the global norm; `step()` then does not sum again. `own_step`: the caller
+        steps the wrapped optimizer itself (Lightning, after clipping), so this object's
+        `step()` keeps no record of this sum."""
         if count is not None:
             if self._md_reduction == "mean":
                 torch._foreach_mul_([g for g in self._md_grads.gradients() if g is not None], float(count))
-            self._md_count = (self._md_count or 0) + int(count)
+            self.add_count(count)
         if self._md_count is None:
             raise RuntimeError(f"{_NAME}: step() without a count; use optimizer.backward(loss, count=N) or "
                                "optimizer.step(count=N) (this rank's samples, or units, in the step)")
@@ -228,7 +268,7 @@ class _Distributed:
             s.skipped_steps += 1
             _say(s, f"{_NAME}: step skipped: no rank had a unit to learn from (count 0 everywhere; "
                     f"{s.skipped_steps} so far)")
-        self._md_synced = total
+        self._md_synced = None if own_step else total
         return total
 
     def step(self, closure=None, count: int | None = None):
@@ -239,19 +279,6 @@ class _Distributed:
             self.zero_grad(set_to_none=True)
             return None
         return super().step(closure)
-
-
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, reduction: str = "mean",  # noqa: N802 - reads as the class it returns
-                         bucket_mb: float = 25.0, wire_dtype: str = "float32", overlap: bool = True):
-    """`optimizer` whose step sums gradients over ranks and divides by the cluster's units
-    (`backward(loss, count)` or `step(count=N)`). `reduction`: how the loss covers its units,
-    'mean' (torch's default: it is weighed by `count`) or 'sum'. The same object to LR
-    schedulers and `isinstance` checks; its state is the optimizer's."""
-    cls = type(f"Distributed{type(optimizer).__name__}", (_Distributed, type(optimizer)), {})
-    dist = cls.__new__(cls)
-    dist.__dict__ = optimizer.__dict__
-    dist._setup(model, reduction, bucket_mb, wire_dtype, overlap)
-    return dist
 
 
 class DistributedSampler(torch.utils.data.Sampler):
@@ -290,21 +317,26 @@ def _say(s: _session.Session, text: str) -> None:
         write_line(text)
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy on the CPU, for the collectives and checkpoints (numpy has no
+    bfloat16: such a tensor comes as float32)."""
     t = t.detach().cpu()
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def _cpu(tree: Any) -> Any:
+def to_cpu(tree: Any) -> Any:
+    """`tree` (a tensor, or dicts, lists and tuples of them, e.g. an optimizer's state dict)
+    with every tensor detached on the CPU: what pickling to another rank needs (its device may
+    be another)."""
     if isinstance(tree, torch.Tensor):
         return tree.detach().cpu()
     if isinstance(tree, dict):
-        return {k: _cpu(v) for k, v in tree.items()}
+        return {k: to_cpu(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_cpu(v) for v in tree)
+        return type(tree)(to_cpu(v) for v in tree)
     return tree
 
 
 __all__ = ["DistributedOptimizer", "DistributedSampler", "Info", "all_gather", "all_reduce", "broadcast",
-           "broadcast_object", "info", "init", "load_checkpoint", "save_checkpoint", "shares", "should_stop",
-           "sync_batchnorm"]
+           "broadcast_object", "info", "init", "load_checkpoint", "save_checkpoint", "set_device", "shares",
+           "should_stop", "sync_batchnorm", "to_cpu", "to_numpy"]

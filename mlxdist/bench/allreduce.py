@@ -158,7 +158,7 @@ def _worker(args: argparse.Namespace) -> int:
                 pieces = [min(_GRAD_PIECE // 4, elems - i) for i in range(0, elems, _GRAD_PIECE // 4)]
                 grads = [mx.full((k,), rank + 1, dtype=mx.float32) for k in pieces]
                 mx.eval(grads)
-                sync._plan = None  # a new gradient layout per size
+                sync.forget_layout()  # a new gradient layout per size
                 box: list = []
 
                 def step(grads=grads, box=box) -> None:

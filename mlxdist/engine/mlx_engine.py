@@ -167,6 +167,13 @@ class MLXEngine(HoldsBatches):
         self._reset_accumulators()
         return out
 
+    def take_totals(self) -> LocalGradients:
+        """Loss, units and metrics since the last take, with no gradients: a staged step
+        (dist.shard=weights) handed those over stage by stage."""
+        out = LocalGradients([], float(self._loss_sum), self._tokens, self._metrics)
+        self._reset_accumulators()
+        return out
+
     def apply_gradients(self, grads: list[mx.array], loss_sum: float, count: int, lr: float) -> StepStats:
         if count <= 0:
             return nothing_to_learn(loss_sum)

@@ -99,7 +99,7 @@ class HoldsBatches:
 
 class StagedShardOps:
     """`engine.base.StagedOps`' part that is the same for both engines: it hands on to the
-    engine (`HoldsBatches` and its `staged_step`, `staged_eval`, `release_weights`)."""
+    engine (`HoldsBatches` and its `staged_step`, `staged_eval`, `take_totals`, `release_weights`)."""
 
     engine: Any
 
@@ -122,10 +122,7 @@ class StagedShardOps:
 
     def totals(self) -> LocalGradients:
         """The step's loss, units and metrics (its gradients went to `hand`)."""
-        e = self.engine
-        out = LocalGradients([], float(e._loss_sum), e._tokens, e._metrics)
-        e._reset_accumulators()
-        return out
+        return self.engine.take_totals()
 
     def release(self) -> None:
         self.engine.release_weights()

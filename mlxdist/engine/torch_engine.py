@@ -153,14 +153,16 @@ def _state_numpy(t: torch.Tensor) -> np.ndarray:
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
 
 
-def _flipped(name: str) -> bool:
-    """PEFT stores LoRA factors transposed to mlx-lm's layout; checkpoints use mlx-lm's, so
-    a LoRA checkpoint moves between engines as it is."""
+def flipped(name: str) -> bool:
+    """Whether the torch weight `name` is held transposed to its checkpoint layout: PEFT stores
+    LoRA factors (`*.lora_a`, `*.lora_b`) transposed to mlx-lm's layout, and checkpoints use
+    mlx-lm's, so a LoRA checkpoint moves between engines as it is. Whatever moves torch weights
+    to or from a checkpoint (export, the sharded strategies) transposes these."""
     return name.endswith((".lora_a", ".lora_b"))
 
 
 def _ours(name: str, a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a.T) if _flipped(name) else a
+    return np.ascontiguousarray(a.T) if flipped(name) else a
 
 
 class TorchEngine(HoldsBatches):
@@ -311,7 +313,7 @@ class TorchEngine(HoldsBatches):
         return {n: _ours(n, _to_numpy(p)) for n, p in zip(self._names, self._params, strict=True)}
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        check_weights({n: s[::-1] if _flipped(n) else s for n, s in self._shapes.items()}, weights)
+        check_weights({n: s[::-1] if flipped(n) else s for n, s in self._shapes.items()}, weights)
         with torch.no_grad():
             for name, p in zip(self._names, self._params, strict=True):
                 if self.released:
@@ -493,6 +495,13 @@ class TorchEngine(HoldsBatches):
         for p in self._params:  # the next micro_step starts a fresh sum; apply_gradients puts these back
             p.grad = None
         self._grads.on_gradient_ready(None)
+        self._reset_accumulators()
+        return out
+
+    def take_totals(self) -> LocalGradients:
+        """Loss, units and metrics since the last take, with no gradients: a staged step
+        (dist.shard=weights) handed those over stage by stage."""
+        out = LocalGradients([], float(self._loss_sum), self._tokens, self._metrics)
         self._reset_accumulators()
         return out
 
@@ -681,13 +690,13 @@ class TorchShardOps(StagedShardOps):
     def __init__(self, engine: TorchEngine):
         self.engine = engine
         self.names = list(engine._names)
-        self.shapes = [tuple(p.shape)[::-1] if _flipped(n) else tuple(p.shape)
+        self.shapes = [tuple(p.shape)[::-1] if flipped(n) else tuple(p.shape)
                        for n, p in zip(self.names, engine._params, strict=True)]
         group = engine.optimizers[0].param_groups[0]
         self._how = {k: group.get(k) for k in ("foreach", "fused", "capturable", "differentiable")}
 
     def _ours(self, index: int, t: torch.Tensor) -> torch.Tensor:
-        return t.T if _flipped(self.names[index]) else t
+        return t.T if flipped(self.names[index]) else t
 
     def flat(self, index: int, grad: torch.Tensor) -> np.ndarray:
         g = self._ours(index, grad.detach()).to("cpu", torch.float32)

@@ -37,6 +37,12 @@ class GradSync:
         packed = plan_buckets([arrays[i].size for i in rest], self.bucket_elems)
         return [[i] for i in alone] + [[rest[j] for j in b] for b in packed]
 
+    def forget_layout(self) -> None:
+        """The next `all_sum` plans its buckets afresh: the buckets are planned once, for the
+        first gradient list, and a caller whose list changes (the all-reduce bench's sizes)
+        must say so."""
+        self._plan = None
+
     def arm(self, engine) -> None:
         """MLX builds the whole backward graph lazily: there is nothing to overlap with."""
 

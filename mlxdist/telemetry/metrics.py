@@ -15,10 +15,11 @@ from .. import __version__
 from ..markers import RestartCounts
 
 # Event kind -> counter attribute, and -> (controller, default action) of a decision.
+# DECISIONS is the trackers' too (trackers.py), so Prometheus and W&B/MLflow name a decision alike.
 _COUNTERS = {"skipped": "nonfinite", "rollback": "rollbacks", "drift_repair": "drift_repairs",
              "empty_step": "empty_steps"}
-_DECISIONS = {"oom": ("batch_size", "oom_shrink"), "memory": ("batch_size", "resize"),
-              "balance": ("balancer", "resplit"), "plateau": ("plateau", "reduce_lr")}
+DECISIONS: dict[str, tuple[str, str]] = {"oom": ("batch_size", "oom_shrink"), "memory": ("batch_size", "resize"),
+                                         "balance": ("balancer", "resplit"), "plateau": ("plateau", "reduce_lr")}
 
 _TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -116,8 +117,8 @@ class Metrics:
             self.last_step_time.set_to_current_time()  # a rank that sat a round out is not stalled
         elif kind in _COUNTERS:
             getattr(self, _COUNTERS[kind]).inc()
-        if kind in _DECISIONS:
-            controller, action = _DECISIONS[kind]
+        if kind in DECISIONS:
+            controller, action = DECISIONS[kind]
             self.decision(controller, fields.get("action", action))
 
     def _observe_step(self, f: dict[str, Any]) -> None:

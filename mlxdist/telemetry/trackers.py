@@ -26,7 +26,7 @@ import yaml
 
 from .. import markers
 from ..config import Config, ConfigError, report_to_names
-from .metrics import _DECISIONS
+from .metrics import DECISIONS
 
 # Tracker -> (module it imports, pip package). The extras in pyproject.toml carry the tracker's name.
 PACKAGES = {"tensorboard": ("tensorboardX", "tensorboardX"), "wandb": ("wandb", "wandb"),
@@ -85,8 +85,8 @@ class ScalarMap:
             out["control/early_stop"] = 1
         if kind in _COUNTS:
             out[_COUNTS[kind]] = self._count(_COUNTS[kind])
-        if kind in _DECISIONS:
-            controller, action = _DECISIONS[kind]
+        if kind in DECISIONS:
+            controller, action = DECISIONS[kind]
             name = f"control/{controller}/{f.get('action', action)}"
             out[name] = self._count(name)
         values = {k: _number(v) for k, v in out.items()}
