@@ -4,7 +4,7 @@ import time
 import numpy as np
 import pytest
 
-from mlxdist.control.plan import StepPlan
+from mlxdist.control.step_plan import StepPlan
 from mlxdist.data import ByteTokenizer, GlobalSampler, Prefetcher, rank_slice
 from mlxdist.data.datasets import TokenWindows
 from mlxdist.data.shards import TokenStream, read_shards, write_shards

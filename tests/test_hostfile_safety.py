@@ -15,8 +15,8 @@ import pytest
 from helpers import ROOT, env
 
 from mlxdist.launch.hosts import LaunchError, Remote, read_hostfile
+from mlxdist.launch.job import Launch
 from mlxdist.launch.mpirun import hostfile_hosts
-from mlxdist.launch.plan import Launch
 from mlxdist.launch.profile import ClusterProfile, ProfileHost
 
 

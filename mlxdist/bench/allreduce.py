@@ -215,7 +215,7 @@ def _launch(args: argparse.Namespace, argv: list[str], cluster, tmp: Path) -> di
     if cluster is not None:
         base = mpirun_command([], **cluster.mpirun_options(), env=tuning)
     elif args.hostfile:
-        from ..launch.plan import plan_hostfile
+        from ..launch.job import plan_hostfile
 
         launch = plan_hostfile(args.hostfile, None, args.iface)
         for note in launch.notes:

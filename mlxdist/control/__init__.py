@@ -8,8 +8,6 @@ from .balancer import LoadBalancer
 from .batch_size import BatchSizeController, BatchSizeError, Decision
 from .early_stop import EarlyStopping
 from .health import HealthMonitor, HealthVerdict, ReduceOnPlateau
-from .plan import Decision as PlanDecision
-from .plan import StepPlan, replan
 from .schedule import LRSchedule, lr_at
 from .split import (
     AccumulationController,
@@ -18,6 +16,8 @@ from .split import (
     micro_batches,
     proportional_split,
 )
+from .step_plan import Decision as PlanDecision
+from .step_plan import StepPlan, replan
 
 __all__ = [
     "AccumulationController",

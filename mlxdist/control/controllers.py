@@ -22,7 +22,7 @@ from . import (
     LRSchedule,
     ReduceOnPlateau,
 )
-from .plan import StepPlan
+from .step_plan import StepPlan
 
 
 @dataclass

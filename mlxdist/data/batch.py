@@ -12,7 +12,7 @@ from ..control.split import micro_batches
 from .sampler import GlobalSampler, rank_slice
 
 if TYPE_CHECKING:
-    from ..control.plan import StepPlan
+    from ..control.step_plan import StepPlan
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..control.plan import StepPlan
+from ..control.step_plan import StepPlan
 from .batch import BatchMaker
 from .prefetch import Prefetcher
 

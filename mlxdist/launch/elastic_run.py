@@ -36,7 +36,7 @@ from .elastic import (
     worth_restarting,
 )
 from .hosts import NETWORK_TIMEOUT_S, Remote, host_answers, network_problem
-from .plan import Launch
+from .job import Launch
 from .supervisor import Supervisor
 
 PROBE_TIMEOUT_S = 60.0  # hashing a big checkpoint takes a while

@@ -22,7 +22,7 @@ from . import preflight
 from .elastic import ElasticSettings
 from .elastic_run import ElasticRun, ProbeTarget
 from .hosts import LaunchError, check_host
-from .plan import Launch, plan_hostfile, plan_simcluster
+from .job import Launch, plan_hostfile, plan_simcluster
 from .supervisor import supervise
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..cluster.world import World
-from ..control.plan import Decision
+from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats
 from ..tasks import Batch
 from ..tasks.metrics import MetricSums, means

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..cluster.world import World
 from ..config import Config, DistConfig
-from ..control.plan import Decision
+from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats, local_step
 from ..state import rank_state
 from ..tasks import Batch

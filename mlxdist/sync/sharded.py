@@ -70,8 +70,8 @@ import numpy as np
 from ..cluster.ring import RING_MIN_BYTES, bf16_bits, ring_allgather, ring_reduce_scatter
 from ..cluster.world import World
 from ..config import Config
-from ..control.plan import Decision
 from ..control.split import proportional_split
+from ..control.step_plan import Decision
 from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
 from ..tasks.metrics import means
 from .data_parallel import DataParallel

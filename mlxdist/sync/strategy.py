@@ -17,7 +17,7 @@ import numpy as np
 
 from ..cluster.world import World
 from ..config import Config
-from ..control.plan import Decision
+from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats
 from ..tasks import Batch
 from ..tasks.metrics import MetricSums

@@ -23,7 +23,7 @@ from ..cluster.world import World, resolve_backend
 from ..config import Config, ConfigError
 from ..control import BatchSizeError, StepPlan, replan
 from ..control.controllers import Controllers
-from ..control.plan import Decision
+from ..control.step_plan import Decision
 from ..data import GlobalSampler
 from ..data.batch import BatchMaker
 from ..data.feed import StepFeed
