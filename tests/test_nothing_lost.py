@@ -145,22 +145,27 @@ def test_health_gives_up_after_k_skipped_updates_in_a_row_across_rollbacks():
     assert restored.nonfinite_streak == 1
 
 
-@pytest.mark.parametrize("np_", [0, 2])
-def test_a_run_whose_updates_stay_non_finite_stops_with_its_last_finite_checkpoint(tmp_path, np_):
+@pytest.mark.parametrize("np_,mode,stop,kept", [
+    (0, [], 6, [2, 4]),
+    (2, [], 6, [2, 4]),
+    # DiLoCo's ranks exchange control numbers every control.balance_interval (5) steps: the wish from step 6
+    # is held until step 10, though steps 7-10 were finite again (their weights too: step 8 was saved).
+    (2, ["dist.mode=diloco", "dist.inner_steps=4"], 10, [4, 6, 8])])
+def test_a_run_whose_updates_stay_non_finite_stops_with_its_last_finite_checkpoint(tmp_path, np_, mode, stop, kept):
     run = tmp_path / "run"
-    r = run_train([*FAST, "train.steps=10", "checkpoint.every=2", "control.max_bad_steps=10",
-                   "control.max_nonfinite_steps=3", "train.batch_size=4", f"train.out_dir={run}"], np_=np_,
+    r = run_train([*FAST, "train.steps=12", "checkpoint.every=2", "control.max_bad_steps=10",
+                   "control.max_nonfinite_steps=3", "train.batch_size=4", f"train.out_dir={run}", *mode], np_=np_,
                   extra_env={"MLXDIST_INJECT_NAN": "3,4,5"})
     assert r.returncode == 1, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, r.stderr
     # The injected steps count completed steps: the updates of steps 4, 5 and 6 are skipped.
-    assert errors[0].startswith("error: step 6: 3 updates in a row skipped for a non-finite loss or gradients on "
-                                "rank 0")
-    assert f"the last checkpoint is {run}/checkpoints/step_00000004" in errors[0]
+    assert errors[0].startswith(f"error: step {stop}: 3 updates in a row skipped for a non-finite loss or "
+                                "gradients on rank 0"), errors[0]
+    assert f"the last checkpoint is {run}/checkpoints/step_{kept[-1]:08d}" in errors[0]
     assert "control.max_nonfinite_steps=3" in errors[0]
-    assert _names(run) == ["step_00000002", "step_00000004"]  # no final save of the broken state
-    assert ckpt.verify(run / "checkpoints" / "step_00000004") is None
+    assert _names(run) == [f"step_{s:08d}" for s in kept]  # no save of the state it stopped in
+    assert ckpt.verify(run / "checkpoints" / f"step_{kept[-1]:08d}") is None
     assert "MPI_ABORT" not in r.stderr  # every rank stopped together
 
 

@@ -220,7 +220,7 @@ class Trainer:
             if stats.skipped:
                 self.report.emit("skipped", f"step {self.state.step}: {stats.why_skipped}; update skipped "
                                  f"({self.ctl.health.nonfinite_total} so far)", step=self.state.step)
-            self._gave_up = verdict.give_up
+            self._gave_up = self._gave_up or verdict.give_up  # held until the ranks next meet (DiLoCo: later)
             wanted = verdict.rollback
         if not self.sync.agree_on_rollback(wanted, self.state.step + 1):
             return False
