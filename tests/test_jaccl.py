@@ -71,6 +71,9 @@ def test_reads_bare_list_and_ring_hostfiles(tmp_path):
     ('[{"ips": ["1.2.3.4"]}]', "host 0 has no 'ssh' name"),
     ('[{"ssh": "a", "ips": "1.2.3.4"}]', "host 0 \\(a\\): 'ips' must be a list"),
     ('{"hosts": [{"ssh": "a"}], "envs": ["NOEQUALS"]}', "'envs' must be a list of NAME=VALUE"),
+    # The ranks apply envs themselves (init_jaccl): a file must not preload a library into them.
+    ('{"hosts": [{"ssh": "a"}], "envs": ["MLX_X=1", "LD_PRELOAD=/tmp/x.so"]}',
+     "'envs' sets 'LD_PRELOAD'; a hostfile may carry MLX_\\* settings only"),
 ])
 def test_bad_hostfile_gives_one_line_naming_the_file(tmp_path, text, message):
     path = tmp_path / "bad.json"
@@ -202,3 +205,11 @@ def test_bootstrap_under_mpirun_refuses_with_the_same_line_on_every_rank():
     assert len(lines) == 2
     assert lines[0].split(": ", 1)[1] == lines[1].split(": ", 1)[1]
     assert "is not a Mac" in lines[0]
+
+
+def test_a_binary_file_is_not_an_mlx_hostfile(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_bytes(b"\xff\xfe\x00{binary")
+    assert not jaccl.is_mlx_hostfile(path)
+    path.write_bytes(b"  \n[{\"ssh\": \"a\"}]")
+    assert jaccl.is_mlx_hostfile(path)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -39,6 +40,8 @@ JACCL_REINSTALL = "pip install --force-reinstall --no-cache-dir mlx mlx-metal"
 UNKNOWN_MACOS = "unknown"
 
 Device = str | list[str] | None
+
+_MLX_SETTING = re.compile(r"MLX_[A-Z0-9_]+")
 
 
 class MlxHost(NamedTuple):
@@ -76,6 +79,12 @@ def read_mlx_hostfile(path: str | Path) -> MlxHostfile:
         raise ValueError(f"hostfile {p}: lists no hosts (expected a 'hosts' list of {{\"ssh\": NAME, \"ips\": [...]}})")
     if not isinstance(envs, list) or not all(isinstance(e, str) and "=" in e for e in envs):
         raise ValueError(f"hostfile {p}: 'envs' must be a list of NAME=VALUE strings")
+    for e in envs:
+        # Every rank starts with these: LD_PRELOAD or PYTHONPATH from a file would run its code.
+        name = e.split("=", 1)[0]
+        if not _MLX_SETTING.fullmatch(name):
+            raise ValueError(f"hostfile {p}: 'envs' sets {name!r}; a hostfile may carry MLX_* settings only: "
+                             f"give it on the command line (-x {name}=VALUE) if you mean it")
     hosts = []
     for i, h in enumerate(entries):
         if not isinstance(h, dict) or not isinstance(h.get("ssh"), str) or not h["ssh"]:
@@ -92,10 +101,10 @@ def read_mlx_hostfile(path: str | Path) -> MlxHostfile:
 def is_mlx_hostfile(path: str | Path) -> bool:
     """JSON hostfiles start with '{' or '['; Open MPI ones with a host name."""
     try:
-        head = Path(path).read_text().lstrip()[:1]
+        head = Path(path).read_bytes()[:4096].lstrip()[:1]
     except OSError:
         return False
-    return head in ("{", "[")
+    return head in (b"{", b"[")
 
 
 def to_openmpi_hostfile(hf: MlxHostfile) -> str:

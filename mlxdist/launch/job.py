@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +21,6 @@ from .hosts import (
 )
 from .mpirun import hostfile_network, mpirun_command
 from .profile import PROFILE_FILE, ClusterProfile, find_dir
-
-_MLX_SETTING = re.compile(r"MLX_[A-Z0-9_]+")
 
 
 @dataclass
@@ -108,12 +105,6 @@ def _from_mlx_hostfile(path: Path) -> tuple[Path, list[str], list[str]]:
         problem = host_name_problem(h.host)
         if problem:
             raise LaunchError(f"hostfile {path}: entry {i}: {problem}")
-    for e in hf.envs:
-        # Every rank starts with these: LD_PRELOAD or PYTHONPATH from a file would run its code.
-        name = e.split("=", 1)[0]
-        if not _MLX_SETTING.fullmatch(name):
-            raise LaunchError(f"hostfile {path}: 'envs' sets {name!r}; mlxrun passes on MLX_* settings only "
-                              f"from a hostfile: give it on the command line (-x {name}=VALUE) if you mean it")
     out = Path(tempfile.mkdtemp(prefix="mlxrun-")) / f"{path.stem}.hosts"
     out.write_text(to_openmpi_hostfile(hf))
     note = (f"{path} is an mlx.distributed_config hostfile ({len(hf.hosts)} ranks"
