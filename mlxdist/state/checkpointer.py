@@ -89,11 +89,7 @@ def describe(paths: list[Path], run_dir: Path) -> str:
     for d, steps in by_dir.items():
         steps.sort()
         shown = ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]} ... {steps[-1]} ({len(steps)})"
-        try:
-            where = d.relative_to(run_dir)
-        except ValueError:
-            where = d
-        parts.append(f"{where}/: step{'s' if len(steps) > 1 else ''} {shown}")
+        parts.append(f"{_where(d, run_dir)}/: step{'s' if len(steps) > 1 else ''} {shown}")
     return "; ".join(parts)
 
 
@@ -144,6 +140,7 @@ def claim_for_resume(run_dir: Path) -> tuple[list[str], list[str]]:
 
 
 def _where(path: Path, run_dir: Path) -> str:
+    """`path` as a message shows it: inside the run folder relative to it."""
     try:
         return str(path.relative_to(run_dir))
     except ValueError:
