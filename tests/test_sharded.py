@@ -66,17 +66,21 @@ def test_shards_are_contiguous_and_sized_by_budget():
         assert sum(counts) == hi - lo and min(counts) >= 0
 
 
-def test_the_torch_engines_own_optimizer_flag_is_read_as_a_flag():
-    """The torch engine says `own_optimizer` True/False, the MLX engine the optimizer or None."""
+def test_sharding_reads_the_engines_capability_record():
+    """`ShardedDataParallel.check` decides from `engine.capabilities` alone (both engines fill it
+    alike: tests/test_strategy.py); no other attribute of the engine is read."""
     from types import SimpleNamespace
 
     from mlxdist.config import ConfigError, load_config
-    from mlxdist.sync.sharded import check_shardable
+    from mlxdist.engine.base import Capabilities
+    from mlxdist.sync.sharded import ShardedDataParallel
 
     cfg, world = load_config(None, ["dist.shard=optimizer"]), SimpleNamespace(agreed_error=ConfigError)
-    check_shardable(cfg, world, SimpleNamespace(own_optimizer=False, scaler=None))  # mlxdist's AdamW: shardable
+    ShardedDataParallel.check(cfg, world, SimpleNamespace(capabilities=Capabilities("t")))  # mlxdist's AdamW
     with pytest.raises(ConfigError, match="brings its own optimizer"):
-        check_shardable(cfg, world, SimpleNamespace(own_optimizer=True, scaler=None))
+        ShardedDataParallel.check(cfg, world, SimpleNamespace(capabilities=Capabilities("t", own_optimizer=True)))
+    with pytest.raises(ConfigError, match="scales the loss"):
+        ShardedDataParallel.check(cfg, world, SimpleNamespace(capabilities=Capabilities("t", loss_scaling=True)))
 
 
 def test_torch_shard_update_is_the_engines_own_adamw_bit_for_bit():

@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 from mlxdist.cluster.world import World
 from mlxdist.config import ConfigError, load_config
 from mlxdist.control import StepPlan
+from mlxdist.engine.base import Capabilities
 from mlxdist.sync.batchnorm import install_sync_batchnorm, sync_batchnorm_layers
 
 HERE = Path(__file__).parent
@@ -138,7 +139,7 @@ def test_ranks_out_of_step_stop_with_an_error_and_eval_does_not_communicate():
 def _install(overrides, model=None, ranks=2, accum=1):
     cfg = load_config(None, ["train.sync_batchnorm=true", *overrides])
     model = model if model is not None else torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4))
-    engine = SimpleNamespace(name="torch", task_name="t:f", model=model, compiled=False)
+    engine = SimpleNamespace(name="torch", model=model, capabilities=Capabilities("t:f"))
     return install_sync_batchnorm(cfg, World(size=ranks), engine, StepPlan.initial([4] * ranks, accum, None))
 
 

@@ -54,6 +54,20 @@ class StepStats:
         return self.loss_sum / max(self.tokens, 1)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do and how it runs, filled once when it is built: the one record
+    strategies and the loop read to decide (a sharded mode refuses a task's own optimizer or
+    a scaled loss; ZeRO-3 needs stages), so no caller probes an engine's attributes."""
+
+    task_name: str  # the task it trains, for messages
+    own_optimizer: bool = False  # the task's `Task.optimizer` updates the weights, not mlxdist's AdamW
+    loss_scaling: bool = False  # gradients are of a scaled loss (torch's fp16 GradScaler), unscaled in its update
+    compiled: bool = False  # the model's forward runs compiled (torch.compile): hooks inside it break the graph
+    staged: bool = False  # the model has `stages()`, so it can run a stage at a time (ZeRO-3)
+    notes: tuple[str, ...] = ()  # lines for the run's banner (a slow autocast, parameters no optimizer updates)
+
+
 class Piece(NamedTuple):
     """Elements [start, end) of trained parameter `index`, flattened in checkpoint layout,
     at offset `at` of a rank's shard (`sync/sharded.py`)."""
@@ -138,6 +152,8 @@ class Engine(Protocol):
     device: str
     model_summary: str  # banner line: which model, how many (trainable) parameters
     base_fingerprint: str | None  # of a pretrained base (every rank must train the same one)
+    capabilities: Capabilities
+    released: bool  # the weights are in a strategy's shards (ZeRO-3): reading them whole is an error until set
 
     # -- the step ------------------------------------------------------------------
     def micro_step(self, batch: Batch) -> None:

@@ -23,7 +23,15 @@ from ..models.weights import checksum
 from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from ..tasks.metrics import MetricSums, split_loss
-from .base import LocalGradients, Piece, StepStats, as_batch, check_scalar, nothing_to_learn
+from .base import (
+    Capabilities,
+    LocalGradients,
+    Piece,
+    StepStats,
+    as_batch,
+    check_scalar,
+    nothing_to_learn,
+)
 from .common import check_weights, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mlx_memory_limit, with_override
 from .staged import HoldsBatches, Output, Staged, StagedShardOps, model_input
@@ -83,6 +91,8 @@ class MLXEngine(HoldsBatches):
         self._reset_accumulators()
         self._touched: set[str] = set()
         self.mark_state()
+        self.capabilities = Capabilities(task.name, own_optimizer=self.own_optimizer is not None,
+                                         staged=getattr(self.model, "stages", None) is not None)
 
     def _make_optimizer(self, task: Task):
         """The task's own `mlx.optimizers.Optimizer`, initialised on the trained parameters,

@@ -94,7 +94,7 @@ class HoldsBatches:
     def _whole(self, what: str) -> None:
         if self.released:
             raise RuntimeError(f"{what}: the weights are in shards (dist.shard=weights); the strategy gathers "
-                               "them first (SyncStrategy.whole_model)")
+                               "them first (Strategy.whole_model)")
 
 
 class StagedShardOps:

@@ -35,7 +35,15 @@ from ..models.weights import checksum
 from ..tasks import Batch, Task, TaskContext, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from ..tasks.metrics import MetricSums, split_loss
-from .base import LocalGradients, Piece, StepStats, as_batch, check_scalar, nothing_to_learn
+from .base import (
+    Capabilities,
+    LocalGradients,
+    Piece,
+    StepStats,
+    as_batch,
+    check_scalar,
+    nothing_to_learn,
+)
 from .common import check_weights, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mps_reading, process_reading, with_override
 from .staged import HoldsBatches, Output, Staged, StagedShardOps, model_input
@@ -229,8 +237,10 @@ class TorchEngine(HoldsBatches):
                     f"{self.device_type} ({e}); use model.dtype=bfloat16"
                 ) from None
         self._scaler_ready = False
-        # Lines the loop prints after the banner (training/loop.py: engine.notes).
-        self.notes = [n for n in [slow_autocast_note(self.device_type, self.dtype_name)] if n] + self.notes_extra
+        notes = [n for n in [slow_autocast_note(self.device_type, self.dtype_name)] if n] + self.notes_extra
+        self.capabilities = Capabilities(task.name, own_optimizer=self.own_optimizer,
+                                         loss_scaling=self.scaler is not None, compiled=self.compiled,
+                                         staged=getattr(self.model, "stages", None) is not None, notes=tuple(notes))
         self._grads = ParamGradients(self._params, self.model)
         self.last_skip_overflow = False
         self._touched: set[str] = set()
@@ -468,6 +478,20 @@ class TorchEngine(HoldsBatches):
     def shard_ops(self) -> TorchShardOps:
         return TorchShardOps(self)
 
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The trained parameters, in `trained_names` order (the shard ops update them in place)."""
+        return self._params
+
+    @property
+    def updates(self) -> int:
+        """Updates made so far: AdamW's step count, kept here while sharding holds the moments."""
+        return self._updates
+
+    @updates.setter
+    def updates(self, step: int) -> None:
+        self._updates = int(step)
+
     def micro_step(self, batch) -> None:
         if self._held is not None:
             self._held.append(as_batch(batch))
@@ -689,9 +713,9 @@ class TorchShardOps(StagedShardOps):
 
     def __init__(self, engine: TorchEngine):
         self.engine = engine
-        self.names = list(engine._names)
+        self.names = list(engine.trained_names)
         self.shapes = [tuple(p.shape)[::-1] if flipped(n) else tuple(p.shape)
-                       for n, p in zip(self.names, engine._params, strict=True)]
+                       for n, p in zip(self.names, engine.params, strict=True)]
         group = engine.optimizers[0].param_groups[0]
         self._how = {k: group.get(k) for k in ("foreach", "fused", "capturable", "differentiable")}
 
@@ -704,7 +728,7 @@ class TorchShardOps(StagedShardOps):
 
     @torch.no_grad()
     def weights(self, pieces: tuple[Piece, ...]) -> torch.Tensor:
-        params = self.engine._params
+        params = self.engine.params
         parts = [self._ours(pc.index, params[pc.index].detach()).reshape(-1)[pc.start:pc.end] for pc in pieces]
         return torch.cat(parts) if parts else torch.zeros(0, device=self.engine.dev)
 
@@ -750,4 +774,4 @@ class TorchShardOps(StagedShardOps):
 
     def drop_moments(self, step: int) -> None:
         self.engine.optimizers[0].state.clear()
-        self.engine._updates = int(step)
+        self.engine.updates = int(step)

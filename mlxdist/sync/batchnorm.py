@@ -182,7 +182,7 @@ def install_sync_batchnorm(cfg: Config, world: World, engine, plan) -> list[str]
     if cfg.dist.mode == "diloco":
         raise _refuse(world, "dist.mode=diloco trains each rank on its own samples between rounds; use "
                              "dist.mode=ddp, or set train.sync_batchnorm=false")
-    task = getattr(engine, "task_name", "task")
+    task = engine.capabilities.task_name
     layers = batchnorm_layers(engine.model)
     if not layers:
         raise _refuse(world, f"task {task} has no BatchNorm layer (torch.nn.BatchNorm1d/2d/3d); "
@@ -212,6 +212,6 @@ def install_sync_batchnorm(cfg: Config, world: World, engine, plan) -> list[str]
     if own:
         notes.append(f"train.sync_batchnorm: {len(own)} BatchNorm layer(s) with a forward of their own keep "
                      f"per-rank statistics ({', '.join(own[:3])}{' ...' if len(own) > 3 else ''})")
-    if getattr(engine, "compiled", False):
+    if engine.capabilities.compiled:
         notes.append("train.sync_batchnorm: torch.compile runs the BatchNorm layers eagerly (graph breaks)")
     return notes

@@ -23,8 +23,6 @@ residuals, round position) into a per-rank file (`state/rank_state.py`).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -34,19 +32,18 @@ from ..config import Config, DistConfig
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats, local_step
 from ..state import rank_state
-from ..tasks import Batch
-from ..tasks.metrics import MetricSums
 from .comm import allgather_from_comm, allreduce_from_comm
 from .diloco import DiLoCo, OuterStats
 from .fragments import TimeBox
 from .model_state import StateSync
 from .overlap import OverlappedSync
+from .strategy import Strategy
 
 
-class DiLoCoStrategy:
-    drift_check = False
+class DiLoCoStrategy(Strategy):
+    """Ranks differ between outer syncs by design: no drift check (`Strategy`'s default)."""
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str]):
+    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None):
         self.world, self.hosts, self.dist = world, hosts, cfg.dist
         self.meet_every, self.steps = cfg.control.balance_interval, cfg.train.steps
         self.outer = OuterSync(cfg.dist, engine.get_weights(), world.comm)
@@ -78,9 +75,6 @@ class DiLoCoStrategy:
         if self.box is not None:
             self.box.computed()
         return self._last  # a step sat out: nothing new; the loop neither judges nor reports it
-
-    def before_last_backward(self, engine: Engine) -> None:
-        pass  # inner steps exchange nothing
 
     def meets(self, step: int) -> bool:
         if step >= self.steps:
@@ -116,12 +110,6 @@ class DiLoCoStrategy:
         if self.box is not None:
             self.box.skip_step()  # a checkpoint is no measure of this rank's pace
         return [self._event(step, s) for s in self.outer.drain(engine)]
-
-    def whole_model(self, engine: Engine, ranks: Collection[int]) -> AbstractContextManager:
-        return nullcontext()  # every rank holds the whole model
-
-    def eval_losses(self, engine: Engine, batches: list[Batch], metrics: MetricSums) -> list[tuple[float, int]]:
-        return [engine.eval_loss(b, metrics) for b in batches]
 
     def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
         return self.outer.anchors()

@@ -178,9 +178,14 @@ class ExchangeThread:
 class FullyShardedDataParallel(ShardedDataParallel):
     """ZeRO-2 whose weights are sharded too; the model computed stage by stage."""
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str]):
-        stage_names = check_stageable(cfg, world, engine)
+    @classmethod
+    def check(cls, cfg: Config, world: World, engine: Engine) -> None:
+        check_stageable(cfg, world, engine)
+        super().check(cfg, world, engine)
+
+    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None):
         super().__init__(cfg, world, engine, hosts)
+        stage_names = self.ops.stage_names()
         self.drift_check = False  # one copy of each weight: nothing to drift apart
         index = {n: i for i, n in enumerate(self.names)}
         self.stages = [[index[n] for n in names] for names in stage_names]
@@ -314,7 +319,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
             yield
         finally:
             self._depth -= 1
-            if self._depth == 0 and not getattr(engine, "released", True):
+            if self._depth == 0 and not engine.released:
                 self.ops.release()
                 self.ops.drop_moments(self.t)  # a checkpoint writer was handed the whole moments
 

@@ -40,7 +40,7 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], b
         if mp.choice is None:
             raise world.agreed_error(mp.no_fit_line())
         built = ("none", "optimizer", "gradients") if engine.name in AUTO_ENGINES else ("none",)
-        if engine.name in AUTO_ENGINES and engine.shard_ops().stage_names() is not None:
+        if engine.name in AUTO_ENGINES and engine.capabilities.staged:
             built += ("weights",)  # ZeRO-3 runs a model with stages() (the built-in LM's presets)
         if mp.choice not in built:
             raise world.agreed_error(f"{mp.choice_line()}; this model cannot run it (the {engine.name} engine shards "
@@ -55,7 +55,6 @@ def optimizer_state_bytes(engine: Engine, sync, rank: int) -> int | None:
     """AdamW state (m and v, fp32: 8 bytes a trained parameter) this rank holds: its shard's
     under `dist.shard` (the strategy's `shard_bytes`), else all of it (data parallel, DiLoCo's
     inner optimizer, one rank). None for a task's own optimizer: its state is the task's."""
-    if getattr(engine, "own_optimizer", None) not in (None, False):  # MLX: the optimizer or None; torch: a flag
+    if engine.capabilities.own_optimizer:
         return None
-    shard_bytes = getattr(sync, "shard_bytes", None)
-    return int(shard_bytes()[rank]) if shard_bytes is not None else 8 * int(sum(engine.gradient_sizes()))
+    return int(sync.optimizer_state_bytes(engine, rank))

@@ -86,10 +86,10 @@ def check_shardable(cfg: Config, world: World, engine: Engine) -> None:
     if cfg.dist.mode == "diloco":
         raise world.agreed_error(f"dist.shard={shard} shards data parallel's optimizer; dist.mode=diloco keeps "
                              "each rank's own optimizer: set dist.shard=none")
-    if getattr(engine, "own_optimizer", None) not in (None, False):  # MLX: the optimizer or None; torch: a flag
+    if engine.capabilities.own_optimizer:
         raise world.agreed_error(f"dist.shard={shard} shards mlxdist's AdamW; this task brings its own optimizer "
                              "(Task.optimizer): drop it or set dist.shard=none")
-    if getattr(engine, "scaler", None) is not None:
+    if engine.capabilities.loss_scaling:
         raise world.agreed_error(f"dist.shard={shard}: model.dtype=float16 on the torch engine scales the loss "
                                  "(GradScaler), which the sharded update does not undo; use model.dtype=bfloat16 "
                                  "or float32, or dist.shard=none")
@@ -113,9 +113,12 @@ class ShardedDataParallel(DataParallel):
     """Data parallel whose exchange and update are sharded; the rest (buffers, meeting every
     step, rollback, the model's weights in checkpoints) is data parallel's."""
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str]):
+    @classmethod
+    def check(cls, cfg: Config, world: World, engine: Engine) -> None:
         check_shardable(cfg, world, engine)
-        super().__init__(world, reducer=None)  # every rank sets the same gathered weights: drift check on
+
+    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None):
+        super().__init__(cfg, world, engine, hosts)  # every rank sets the same gathered weights: drift check on
         self.cfg, self.hosts = cfg, hosts
         self.level = cfg.dist.shard
         self.ops = engine.shard_ops()
@@ -172,6 +175,9 @@ class ShardedDataParallel(DataParallel):
     def shard_bytes(self) -> list[int]:
         """Bytes of AdamW state (m and v, fp32) each rank holds."""
         return [8 * c for c in self.counts]
+
+    def optimizer_state_bytes(self, engine: Engine, rank: int) -> int:
+        return self.shard_bytes()[rank]
 
     def describe(self) -> str | None:
         share = ", ".join(f"rank {r} {c} ({c / max(self.total, 1):.0%}) {8 * c / MB:.3g} MB"

@@ -3,15 +3,20 @@
 A strategy owns the exchange of a step (gradients now, or nothing until an outer sync),
 when the ranks meet to share control numbers (stop requests, re-plans, rollback), whether
 the weight-drift check applies, what a checkpoint calls the model's weights, its own
-checkpoint state, and `close`. Adding one is adding a module and a line to `make_strategy`.
+checkpoint state, its start-up checks and `close`. `Strategy` answers every hook as data
+parallel does, so a strategy writes only what it changes. Adding one is a module with a
+subclass and its entry in `STRATEGIES` (or `@register(name)`); `strategy_name` maps the
+config to a name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from contextlib import AbstractContextManager
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Protocol
+from typing import TypeVar
 
 import numpy as np
 
@@ -23,62 +28,147 @@ from ..tasks import Batch
 from ..tasks.metrics import MetricSums
 
 
-class SyncStrategy(Protocol):
-    drift_check: bool  # whether all ranks should hold bit-identical weights after every step
+class Strategy(ABC):
+    """The loop's contract with a way of training. Built as `cls(cfg, world, engine, hosts,
+    reducer)` after `cls.check(cfg, world, engine)` passed on every rank; `reducer` is the
+    engine's gradient sum (data parallel's exchange; others may ignore it)."""
+
+    drift_check: bool = False  # whether all ranks should hold bit-identical weights after every step
+
+    @classmethod
+    def check(cls, cfg: Config, world: World, engine: Engine) -> None:
+        """Refuse, before anything is built, what this strategy cannot run: one line through
+        `world.agreed_error` (every rank decides alike)."""
+        return None
 
     def describe(self) -> str | None:
         """A banner line, or None when there is nothing to say."""
+        return None
 
     def trains(self, step: int) -> bool:
         """Whether this rank computes step `step` (1-based, about to run). Data parallel:
         always. Time-boxed DiLoCo: a slower rank sits some steps of a round out, so all ranks
         reach the outer sync together. A step sat out computes nothing, `step` returns the
         last stats unchanged, and the loop neither judges nor reports it."""
+        return True
 
+    @abstractmethod
     def step(self, engine: Engine, lr: float) -> StepStats:
         """Exchange what this strategy exchanges per step, then update the engine."""
 
     def before_last_backward(self, engine: Engine) -> None:
         """The step's last micro-batch comes next: a strategy may start its exchange while
         that backward runs (torch data parallel sends buckets as gradients become final)."""
+        return None
 
     def meets(self, step: int) -> bool:
-        """Whether the ranks exchange control numbers after `step`."""
+        """Whether the ranks exchange control numbers after `step` (data parallel: they meet in
+        every step's exchange anyway)."""
+        return True
 
     def agree_on_rollback(self, wanted: bool, step: int) -> bool:
-        """Whether every rank rolls back after `step`; all ranks return the same answer."""
+        """Whether every rank rolls back after `step`; all ranks return the same answer. By
+        default every rank saw the same loss and norm, so the verdicts agree already."""
+        return wanted
 
     def after_step(self, engine: Engine, step: int, samples: int, last: bool) -> list[Decision]:
         """After the update of a step of `samples` samples here: anything due (outer syncs).
         `last`: the run reaches train.steps; it must end on one model."""
+        return []
 
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
         """Make the state whole for a checkpoint (land exchanges in flight)."""
+        return []
 
     def whole_model(self, engine: Engine, ranks: Collection[int]) -> AbstractContextManager:
         """The whole model in the engine of `ranks` for the duration (a checkpoint's writers, a
         hook's rank): ZeRO-3 gathers its shards there, then lets go; the others hold it anyway.
         Collective, entered alike on every rank."""
+        return nullcontext()
 
     def eval_losses(self, engine: Engine, batches: list[Batch], metrics: MetricSums) -> list[tuple[float, int]]:
-        """(summed loss, units) of each of this rank's evaluation batches; collective (ZeRO-3
-        gathers each stage's weights, and every rank must take part in as many gathers)."""
+        """(summed loss, units) of each of this rank's evaluation batches; collective where the
+        strategy must take part (ZeRO-3 gathers each stage's weights on every rank)."""
+        return [engine.eval_loss(b, metrics) for b in batches]
 
     def model_weights(self, engine: Engine) -> dict[str, np.ndarray]:
         """The weights a checkpoint saves as the model's: the ones every rank agrees on."""
+        return engine.get_weights()
+
+    def optimizer_state_bytes(self, engine: Engine, rank: int) -> int:
+        """Bytes of mlxdist's AdamW state (m and v, fp32) `rank` holds: all of it by default."""
+        return 8 * int(sum(engine.gradient_sizes()))
 
     def state_dict(self, engine: Engine) -> dict[str, np.ndarray]:
         """Shared state for the run's checkpoint (identical on every rank)."""
+        return {}
 
     def save_rank_state(self, root: Path, step: int, engine: Engine, keep: int) -> None:
         """State that is this rank's own, written by every rank beside the run."""
+        return None
 
     def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
                         optimizer_step: int) -> list[Decision]:
         """After the engine holds the checkpoint's weights on every rank (collective); `shared`
         None: a fresh run, starting from the weights every rank now holds."""
+        return []
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Let go of what the strategy holds (threads, communicators)."""
+        return None
+
+
+# The one registry: a name -> its class, or "module:Class" for a built-in imported on first use
+# (a run imports only the strategy it trains with).
+STRATEGIES: dict[str, type[Strategy] | str] = {
+    "data_parallel": "mlxdist.sync.data_parallel:DataParallel",
+    "zero1": "mlxdist.sync.sharded:ShardedDataParallel",
+    "zero2": "mlxdist.sync.sharded:ShardedDataParallel",
+    "zero3": "mlxdist.sync.fully_sharded:FullyShardedDataParallel",
+    "diloco": "mlxdist.sync.diloco_strategy:DiLoCoStrategy",
+}
+
+SHARD_NAMES = {"optimizer": "zero1", "gradients": "zero2", "weights": "zero3"}
+
+S = TypeVar("S", bound=type[Strategy])
+
+
+def register(name: str) -> Callable[[S], S]:
+    """A class decorator: the strategy under `name`. A name is registered once."""
+
+    def put(cls: S) -> S:
+        if name in STRATEGIES:
+            raise ValueError(f"strategy {name!r} is registered already ({STRATEGIES[name]}); choose another name")
+        STRATEGIES[name] = cls
+        return cls
+
+    return put
+
+
+def strategy_name(cfg: Config) -> str:
+    """The registered name a run trains with: a sharded mode (dist.shard, `auto` resolved
+    before: `shard_plan.resolve_shard`) whatever dist.mode says (its check refuses what it
+    cannot combine with), else dist.mode's strategy."""
+    if cfg.dist.shard in SHARD_NAMES:
+        return SHARD_NAMES[cfg.dist.shard]
+    return "data_parallel" if cfg.dist.mode == "ddp" else cfg.dist.mode
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    entry = STRATEGIES.get(name)
+    if entry is None:
+        raise KeyError(f"no sync strategy named {name!r}; registered: {', '.join(sorted(STRATEGIES))}")
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = STRATEGIES[name] = getattr(importlib.import_module(module), attr)
+    return entry
+
+
+def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str]) -> Strategy:
+    """The config's strategy, checked, then built (every rank alike)."""
+    cls = strategy_class(strategy_name(cfg))
+    cls.check(cfg, world, engine)
+    return cls(cfg, world, engine, hosts, reducer)
 
 
 def share_state(world: World, engine: Engine, root: int = 0) -> None:
@@ -96,21 +186,3 @@ def share_state(world: World, engine: Engine, root: int = 0) -> None:
     engine.set_weights(weights)
     engine.set_optimizer_state(opt, world.bcast(opt_step, root))
     engine.set_state(state)
-
-
-def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str]) -> SyncStrategy:
-    if cfg.dist.shard == "weights":
-        from .fully_sharded import FullyShardedDataParallel
-
-        return FullyShardedDataParallel(cfg, world, engine, hosts)
-    if cfg.dist.shard in ("optimizer", "gradients"):  # "auto" is resolved before (resolve_shard)
-        from .sharded import ShardedDataParallel
-
-        return ShardedDataParallel(cfg, world, engine, hosts)
-    if cfg.dist.mode == "diloco":
-        from .diloco_strategy import DiLoCoStrategy
-
-        return DiLoCoStrategy(cfg, world, engine, hosts)
-    from .data_parallel import DataParallel
-
-    return DataParallel(world, reducer)

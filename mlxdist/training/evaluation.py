@@ -8,7 +8,7 @@ from ..config import TrainConfig
 from ..control.split import micro_batches
 from ..data.sampler import EVAL, StreamIndices
 from ..engine.base import Engine
-from ..sync.strategy import SyncStrategy
+from ..sync.strategy import Strategy
 from ..tasks import Task
 from ..tasks.metrics import MetricSums, means
 
@@ -23,7 +23,7 @@ class Evaluator:
         return (self.task.eval_dataset is not None and bool(self.cfg.eval_every)
                 and (step % self.cfg.eval_every == 0 or last))
 
-    def run(self, engine: Engine, micro: int, sync: SyncStrategy) -> tuple[float, dict[str, float]]:
+    def run(self, engine: Engine, micro: int, sync: Strategy) -> tuple[float, dict[str, float]]:
         """Mean loss per unit and the task's metrics; eval batches are dealt round-robin to
         the ranks, and computed as the sync strategy computes them (ZeRO-3: stage by stage,
         every rank in every gather)."""

@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 def _rank_step(name: str) -> tuple[int, int]:
@@ -112,9 +112,9 @@ class FaultyEngine:
 
     def __init__(self, engine, faults: Faults, rank: int, step: Callable[[], int]):
         self._engine, self._faults, self._rank, self._step = engine, faults, rank, step
-        self.notes = [*getattr(engine, "notes", []), *(
+        self.capabilities = replace(engine.capabilities, notes=(*engine.capabilities.notes, *(
             [f"rig: rank {rank} computes x{faults.compute_scale:g} slower ({COMPUTE_SCALE_VAR})"]
-            if faults.compute_scale != 1.0 else [])]
+            if faults.compute_scale != 1.0 else [])))
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)

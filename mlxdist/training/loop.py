@@ -2,7 +2,7 @@
 
 Read `Trainer.run` top to bottom: it is the algorithm, a list of named phases. Each
 component owns its state and its cadence (`Checkpointer.due`, `Evaluator.due`,
-`SyncStrategy.meets`); decisions every rank must share (stop, re-plan, rollback) are taken
+`Strategy.meets`); decisions every rank must share (stop, re-plan, rollback) are taken
 from all-gathered numbers, so all ranks take them at the same step. The loop never asks
 which engine or strategy it holds.
 """
@@ -43,7 +43,7 @@ from ..state.checkpointer import (
 )
 from ..sync.batchnorm import install_sync_batchnorm
 from ..sync.shard_plan import optimizer_state_bytes, resolve_shard
-from ..sync.strategy import SyncStrategy, make_strategy, share_state
+from ..sync.strategy import Strategy, make_strategy, share_state
 from ..tasks import Batch, Task
 from ..tasks.fingerprint import check_same, fingerprint
 from ..tasks.load import check_keys_apply, resolve_task
@@ -102,7 +102,7 @@ class Trainer:
                                           w.rank, lambda: self.state.step)
         self._check_same_base()
         shard_lines = resolve_shard(cfg, w, self.engine, self.hosts, self._builtin_lm)  # dist.shard: auto, fits?
-        self.sync: SyncStrategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, w), self.hosts)
+        self.sync: Strategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, w), self.hosts)
         held = optimizer_state_bytes(self.engine, self.sync, w.rank)
         if held is not None:
             metrics.optimizer_state.set(held)
@@ -137,7 +137,7 @@ class Trainer:
             self.report.say(warning)
         if w.is_main:
             self._banner(backend, devices)
-        for note in [*getattr(self.engine, "notes", []), *notes, *(shard_lines if w.is_main else [])]:
+        for note in [*self.engine.capabilities.notes, *notes, *(shard_lines if w.is_main else [])]:
             self.report.say(note)
 
     @property

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..cluster.world import World
 from ..engine.base import Engine
-from ..sync.strategy import SyncStrategy
+from ..sync.strategy import Strategy
 from ..tasks import Task, TaskError
 
 
@@ -19,7 +19,7 @@ class ModelState:
     optimizer's moments and update count, the strategy's shared arrays, and the pretrained
     base they were trained on (a LoRA checkpoint holds no base weights)."""
 
-    def __init__(self, engine: Engine, sync: SyncStrategy):
+    def __init__(self, engine: Engine, sync: Strategy):
         self.engine, self.sync = engine, sync
 
     def state_dict(self) -> dict[str, Any]:
