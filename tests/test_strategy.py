@@ -1,0 +1,147 @@
+"""Strategies plug in: one registry, one chooser from the config, each strategy's own start-up
+check; and engines declare what they can do in one record (`Capabilities`) that the strategies
+read."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from helpers import assert_same_weights, env, final_weights
+
+from mlxdist.config import ConfigError, load_config
+from mlxdist.engine.base import Capabilities
+from mlxdist.sync.strategy import (
+    STRATEGIES,
+    Strategy,
+    make_strategy,
+    register,
+    strategy_class,
+    strategy_name,
+)
+
+HERE = Path(__file__).parent
+WORLD = SimpleNamespace(agreed_error=ConfigError, size=1, rank=0)
+
+
+@pytest.mark.parametrize("overrides, name, cls", [
+    ([], "data_parallel", "DataParallel"),
+    (["dist.mode=diloco"], "diloco", "DiLoCoStrategy"),
+    (["dist.shard=optimizer"], "zero1", "ShardedDataParallel"),
+    (["dist.shard=gradients"], "zero2", "ShardedDataParallel"),
+    (["dist.shard=weights"], "zero3", "FullyShardedDataParallel"),
+    (["dist.shard=optimizer", "dist.mode=diloco"], "zero1", "ShardedDataParallel"),  # its check refuses it
+])
+def test_the_config_names_a_registered_strategy(overrides, name, cls):
+    cfg = load_config(None, overrides)
+    assert strategy_name(cfg) == name
+    got = strategy_class(name)
+    assert got.__name__ == cls and issubclass(got, Strategy)
+
+
+def test_a_strategy_is_registered_once_and_an_unknown_name_lists_the_known():
+    class Mine(strategy_class("data_parallel")):
+        pass
+
+    try:
+        assert register("test_mine")(Mine) is Mine and strategy_class("test_mine") is Mine
+        with pytest.raises(ValueError, match="strategy 'test_mine' is registered already"):
+            register("test_mine")(Mine)
+    finally:
+        STRATEGIES.pop("test_mine", None)
+    with pytest.raises(KeyError, match="no sync strategy named 'nope'; registered: data_parallel, diloco, zero1"):
+        strategy_class("nope")
+
+
+def test_the_chooser_runs_the_strategys_own_check_with_todays_message():
+    cfg = load_config(None, ["dist.shard=optimizer", "dist.mode=diloco"])
+    with pytest.raises(ConfigError, match="dist.mode=diloco keeps each rank's own optimizer: set dist.shard=none"):
+        make_strategy(cfg, WORLD, SimpleNamespace(capabilities=Capabilities("t")), None, ["h"])
+
+
+def test_a_subclass_writes_only_the_hooks_it_changes():
+    """Every hook but `step` has the data-parallel answer; DataParallel writes two."""
+    dp = strategy_class("data_parallel")
+    assert {n for n in vars(dp) if not n.startswith("_")} == {"step", "before_last_backward"}
+    with pytest.raises(TypeError, match="abstract"):
+        Strategy()
+
+
+def test_mlx_engines_declare_what_they_can_do_and_sharding_reads_it():
+    from user_tasks import mlx_mlp, mlx_own_optimizer, mlx_staged_mlp
+
+    from mlxdist.engine.mlx_engine import MLXEngine
+
+    cfg = load_config(None, ["dist.shard=gradients"])
+    task = mlx_own_optimizer()
+    own = MLXEngine(cfg, task=task)
+    assert own.capabilities == Capabilities(task.name, own_optimizer=True)
+    with pytest.raises(ConfigError, match=r"dist.shard=gradients shards mlxdist's AdamW; this task brings its own "
+                                          r"optimizer \(Task.optimizer\): drop it or set dist.shard=none"):
+        make_strategy(cfg, WORLD, own, None, ["h"])
+    plain, staged = MLXEngine(cfg, task=mlx_mlp()).capabilities, MLXEngine(cfg, task=mlx_staged_mlp()).capabilities
+    assert (plain.own_optimizer, plain.staged, staged.staged, staged.loss_scaling) == (False, False, True, False)
+
+
+def test_torch_engines_declare_what_they_can_do_and_sharding_reads_it():
+    pytest.importorskip("torch")
+    from user_tasks import torch_mlp, torch_own_optimizer
+
+    from mlxdist.engine.torch_engine import TorchEngine
+
+    cfg = load_config(None, ["dist.shard=optimizer"])
+    assert TorchEngine(cfg, "cpu", task=torch_own_optimizer()).capabilities.own_optimizer
+    plain = TorchEngine(cfg, "cpu", task=torch_mlp())
+    assert (plain.capabilities.own_optimizer, plain.capabilities.loss_scaling) == (False, False)
+    assert plain.capabilities.compiled == plain.compiled
+    half = TorchEngine(load_config(None, ["dist.shard=optimizer", "model.dtype=float16"]), "cpu", task=torch_mlp())
+    assert half.capabilities.loss_scaling
+    with pytest.raises(ConfigError, match=r"scales the loss \(GradScaler\), which the sharded update does not undo"):
+        make_strategy(cfg, WORLD, half, None, ["h"])
+
+
+SCRIPT = """
+import sys
+
+import mlxdist
+from mlxdist.control.step_plan import Decision
+from mlxdist.sync.data_parallel import DataParallel
+from mlxdist.sync.strategy import STRATEGIES
+from user_tasks import mlx_mlp
+
+
+class Counted(DataParallel):
+    def describe(self):
+        return "counted data parallel"
+
+    def after_step(self, engine, step, samples, last):
+        return [Decision("counted", f"counted step {step}: {samples} samples")]
+
+
+STRATEGIES["data_parallel"] = Counted  # the name dist.mode=ddp maps to: this module's class
+sys.exit(mlxdist.fit(mlx_mlp(), overrides=sys.argv[1:]))
+"""
+
+
+def test_a_strategy_in_a_module_of_its_own_is_chosen_and_trains(tmp_path):
+    """One module and its registry entry are enough: the loop builds what the registry names for
+    the config and calls its hooks; what it does not override trains as data parallel does."""
+    script = tmp_path / "counted.py"
+    script.write_text(SCRIPT)
+    args = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "train.steps=2", "train.batch_size=8",
+            "train.lr=1e-2", "checkpoint.every=0"]
+    e = env() | {"PYTHONPATH": f"{env()['PYTHONPATH']}:{HERE}"}
+    mine = subprocess.run([sys.executable, str(script), *args, f"train.out_dir={tmp_path / 'mine'}"],
+                          capture_output=True, text=True, timeout=300, cwd=HERE, env=e)
+    assert mine.returncode == 0, mine.stderr[-3000:]
+    assert "counted data parallel" in mine.stderr
+    assert "counted step 1: 8 samples" in mine.stderr and "counted step 2: 8 samples" in mine.stderr, mine.stderr
+    plain = subprocess.run([sys.executable, "-m", "mlxdist.train", "task.factory=user_tasks:mlx_mlp", *args,
+                            f"train.out_dir={tmp_path / 'plain'}"],
+                           capture_output=True, text=True, timeout=300, cwd=HERE, env=e)
+    assert plain.returncode == 0 and "counted" not in plain.stderr, plain.stderr[-3000:]
+    assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "mine"), atol=0.0)
+
