@@ -25,7 +25,7 @@ def test_no_note_where_autocast_is_fast_or_off(device_type, dtype):
 
 
 def test_a_cpu_engine_with_bf16_carries_the_note_for_the_banner():
-    """The loop prints `engine.notes` after the banner (training/loop.py)."""
+    """The loop prints `engine.capabilities.notes` after the banner (training/loop.py)."""
     pytest.importorskip("torch")
     from user_tasks import torch_mlp
 
@@ -34,7 +34,8 @@ def test_a_cpu_engine_with_bf16_carries_the_note_for_the_banner():
 
     for dtype, notes in (("bfloat16", 1), ("float32", 0)):
         engine = TorchEngine(load_config(None, [f"model.dtype={dtype}"]), "cpu", task=torch_mlp(16))
-        assert len(engine.notes) == notes and all("model.dtype=float32" in n for n in engine.notes)
+        got = engine.capabilities.notes
+        assert len(got) == notes and all("model.dtype=float32" in n for n in got)
 
 
 def _layers(n: int, dim: int) -> dict[str, tuple[int, ...]]:

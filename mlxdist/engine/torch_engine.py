@@ -479,7 +479,7 @@ class TorchEngine(HoldsBatches):
         return TorchShardOps(self)
 
     @property
-    def params(self) -> list[torch.Tensor]:
+    def trained_params(self) -> list[torch.Tensor]:
         """The trained parameters, in `trained_names` order (the shard ops update them in place)."""
         return self._params
 
@@ -715,7 +715,7 @@ class TorchShardOps(StagedShardOps):
         self.engine = engine
         self.names = list(engine.trained_names)
         self.shapes = [tuple(p.shape)[::-1] if flipped(n) else tuple(p.shape)
-                       for n, p in zip(self.names, engine.params, strict=True)]
+                       for n, p in zip(self.names, engine.trained_params, strict=True)]
         group = engine.optimizers[0].param_groups[0]
         self._how = {k: group.get(k) for k in ("foreach", "fused", "capturable", "differentiable")}
 
@@ -728,7 +728,7 @@ class TorchShardOps(StagedShardOps):
 
     @torch.no_grad()
     def weights(self, pieces: tuple[Piece, ...]) -> torch.Tensor:
-        params = self.engine.params
+        params = self.engine.trained_params
         parts = [self._ours(pc.index, params[pc.index].detach()).reshape(-1)[pc.start:pc.end] for pc in pieces]
         return torch.cat(parts) if parts else torch.zeros(0, device=self.engine.dev)
 
