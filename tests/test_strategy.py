@@ -145,3 +145,14 @@ def test_a_strategy_in_a_module_of_its_own_is_chosen_and_trains(tmp_path):
     assert plain.returncode == 0 and "counted" not in plain.stderr, plain.stderr[-3000:]
     assert_same_weights(final_weights(tmp_path / "plain"), final_weights(tmp_path / "mine"), atol=0.0)
 
+
+
+def test_the_rig_wrapper_declares_the_engines_record_plus_its_own_note():
+    """A slowed rank's engine (training/faults.py) is read through the same record."""
+    from mlxdist.training.faults import Faults, wrap
+
+    inner = SimpleNamespace(capabilities=Capabilities("t", own_optimizer=True, notes=("engine note",)))
+    wrapped = wrap(inner, 1, lambda: 0, Faults(compute_scale=3.0))
+    assert wrapped.capabilities == Capabilities("t", own_optimizer=True, notes=(
+        "engine note", "rig: rank 1 computes x3 slower (MLXDIST_RIG_COMPUTE_SCALE)"))
+    assert wrap(inner, 1, lambda: 0, Faults()) is inner
