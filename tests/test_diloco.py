@@ -14,11 +14,11 @@ from functools import partial
 import numpy as np
 import pytest
 
+from mlxdist.cluster.codec import BLOCK, BlockQuantCodec, bf16_bits, make_codec
 from mlxdist.state.checkpoint import from_safetensors, to_safetensors
 from mlxdist.sync.diloco import DiLoCo, OuterOptimizer
 from mlxdist.sync.fragments import partition
 from mlxdist.sync.overlap import OverlappedSync
-from mlxdist.sync.wire import BLOCK, BlockQuantCodec, bf16_bits, make_codec
 
 # A tiny tanh MLP regression: parameter sizes 48, 8, 16, 2.
 SHAPES = [(6, 8), (8,), (8, 2), (2,)]
@@ -454,8 +454,8 @@ def test_bad_settings_name_the_key():
 MPI_SCRIPT = """
 import json, sys
 import numpy as np
-from mlxdist.cluster.collective import make_collective
-from mlxdist.sync.comm import allgather_from_comm, allreduce_from_collective, allreduce_from_comm
+from mlxdist.cluster.transport import make_transport
+from mlxdist.sync.comm import allgather_from_transport, allreduce_from_transport
 from mlxdist.sync.overlap import OverlappedSync
 from mlxdist.cluster.world import init_world
 from tests.test_diloco import RankState, drive, inner_step, make_dl
@@ -465,11 +465,12 @@ world = init_world()
 r, b = world.rank, batches[world.rank]
 s = RankState(make_dl(wire, fragments, period))
 if delay is None:
-    drive(r, s, b, allreduce_from_collective(make_collective(world, "mpi4py")), allgather_from_comm(world.comm),
-          rounds=rounds)
-else:  # background exchanges on their own communicator
-    comm = world.comm.Dup()
-    ov = OverlappedSync(s.dl, allreduce_from_comm(comm), allgather_from_comm(comm), delay=delay, alpha=0.5)
+    transport = make_transport(world, "mpi4py")
+    drive(r, s, b, allreduce_from_transport(transport), allgather_from_transport(transport), rounds=rounds)
+else:  # background exchanges on a channel of their own
+    channel = make_transport(world, "mpi4py").channel()
+    ov = OverlappedSync(s.dl, allreduce_from_transport(channel), allgather_from_transport(channel), delay=delay,
+                        alpha=0.5)
     while s.t < rounds * period:
         s.local = inner_step(r, s.t, b, s.local, s.adam)
         s.t += 1
@@ -526,7 +527,7 @@ def test_real_mpirun_ranks_match(tmp_path, batches, fragments, wire):
 
 
 def test_real_mpirun_background_sync_matches_streaming_reference(tmp_path):
-    """Exchanges on a worker thread over a Dup'd communicator, under real MPI."""
+    """Exchanges on a worker thread over a transport channel, under real MPI."""
     batches, period, fragments, rounds, delay, n = [2, 3, 7], 6, 3, 4, 1, len(SHAPES)
     got = _mpirun(tmp_path, batches, fragments, "float32", period, rounds, delay)
     anchors, local = reference_overlapped(batches, period, fragments, period * rounds, delay, 0.5)

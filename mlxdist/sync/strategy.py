@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
 from ..control.step_plan import Decision
@@ -98,19 +99,22 @@ def share_state(world: World, engine: Engine, root: int = 0) -> None:
     engine.set_state(state)
 
 
-def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str]) -> SyncStrategy:
+def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str],
+                  transport: Transport) -> SyncStrategy:
+    """`transport`: the run's data plane (`cluster.transport.make_transport`), which the
+    strategies that own their exchange use; data parallel's goes through `reducer`."""
     if cfg.dist.shard == "weights":
         from .fully_sharded import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(cfg, world, engine, hosts)
+        return FullyShardedDataParallel(cfg, world, engine, hosts, transport)
     if cfg.dist.shard in ("optimizer", "gradients"):  # "auto" is resolved before (resolve_shard)
         from .sharded import ShardedDataParallel
 
-        return ShardedDataParallel(cfg, world, engine, hosts)
+        return ShardedDataParallel(cfg, world, engine, hosts, transport)
     if cfg.dist.mode == "diloco":
         from .diloco_strategy import DiLoCoStrategy
 
-        return DiLoCoStrategy(cfg, world, engine, hosts)
+        return DiLoCoStrategy(cfg, world, engine, hosts, transport)
     from .data_parallel import DataParallel
 
     return DataParallel(world, reducer)
