@@ -371,6 +371,8 @@ class MlxTransport(Transport):
     def __init__(self, world: World, group: Any, name: str):
         self.world, self.group, self.name = world, group, name
         self.rank, self.size = group.rank(), group.size()
+        # MLX 0.32: JACCL has sum_scatter; mpi says "not yet implemented", ring "not supported".
+        self.sum_scatter = name == "mlx-jaccl"
         # What mx.distributed cannot do (a second channel, identical bits whatever the
         # backend's algorithm) goes over mpi4py, which carries the control plane anyway.
         self.mpi = MpiTransport(world)
@@ -386,7 +388,7 @@ class MlxTransport(Transport):
         return arrays
 
     def exchange(self, nbytes: int, dtype: np.dtype) -> str:
-        return f"{self.name} all_sum (each rank keeps its ranges)"
+        return f"{self.name} sum_scatter" if self.sum_scatter else f"{self.name} all_sum (each rank keeps its ranges)"
 
     def all_sum_arrays(self, arrays: list[mx.array]) -> list[mx.array]:
         import mlx.core as mx
@@ -405,8 +407,22 @@ class MlxTransport(Transport):
     def reduce_scatter(self, srcs: list[np.ndarray | None], owners: list[Ranges], out: np.ndarray,
                        what: str = "gradient reduce-scatter", *, consume: bool = False,
                        bucket: int = BUCKET_ELEMS) -> None:
-        # No sum_scatter under mpi or ring, none of unequal ranges anywhere: all_sum, keep mine.
-        _mine_of(self.all_sum(list(srcs), what), owners, self.rank, out)
+        """Every rank's ranges packed into equal blocks (padded to the largest), block r rank
+        r's: JACCL's sum_scatter hands each rank its block; elsewhere each keeps its block of an
+        all_sum (no unequal ranges in MLX, and no sum_scatter under mpi or ring)."""
+        import mlx.core as mx
+
+        counts = [sum(r[o][1] - r[o][0] for r in owners) for o in range(self.size)]
+        width = max(max(counts), 1)
+        packed = np.zeros(self.size * width, srcs[0].dtype if srcs else np.float32)
+        for o in range(self.size):
+            _mine_of(srcs, owners, o, packed[o * width:o * width + counts[o]])
+        x = _to_mx(packed)
+        if self.sum_scatter:
+            part = mx.distributed.sum_scatter(x, group=self.group)
+        else:
+            part = mx.distributed.all_sum(x, group=self.group)[self.rank * width:(self.rank + 1) * width]
+        out[...] = _back(self._run(what, [part])[0])[:counts[self.rank]]
 
     def _gather_parts(self, mine: np.ndarray, counts: list[int], what: str) -> list[np.ndarray]:
         """Every rank's `mine` (rank r's holds counts[r] elements): all_gather, padded to the

@@ -102,9 +102,8 @@ class Trainer:
                                           w.rank, lambda: self.state.step)
         self._check_same_base()
         shard_lines = resolve_shard(cfg, w, self.engine, self.hosts, self._builtin_lm)  # dist.shard: auto, fits?
-        self.transport = make_data_plane(engine_name, cfg, w)
-        self.sync: SyncStrategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, self.transport),
-                                                self.hosts, self.transport)
+        self.transport = t = make_data_plane(engine_name, cfg, w)  # the data plane, every collective
+        self.sync: SyncStrategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, t), self.hosts, t)
         held = optimizer_state_bytes(self.engine, self.sync, w.rank)
         if held is not None:
             metrics.optimizer_state.set(held)
