@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .codec import bf16_bits, bf16_to_f32
 from .ring import RING_MIN_BYTES, Ranges, ring_allgather, ring_allreduce, ring_reduce_scatter
 from .world import World
 
@@ -44,18 +45,8 @@ if TYPE_CHECKING:
 BUCKET_ELEMS = 25 * 2**20 // 4  # dist.bucket_mb's default, in fp32 elements
 
 
-def _widened(buf: np.ndarray) -> np.ndarray:
-    """bfloat16 bits as fp32 (MPI's own collectives cannot sum bfloat16)."""
-    return (buf.astype(np.uint32) << 16).view(np.float32)
-
-
-def _narrowed(f32: np.ndarray, like: np.dtype) -> np.ndarray:
-    from .codec import bf16_bits
-
-    return bf16_bits(f32)
-
-
 def _mine_of(srcs: list[np.ndarray], owners: list[Ranges], rank: int, out: np.ndarray) -> None:
+    """`rank`'s ranges of `srcs`, array after array, into `out`."""
     at = 0
     for src, r in zip(srcs, owners, strict=True):
         lo, hi = r[rank]
@@ -189,9 +180,9 @@ class MpiTransport(Transport):
             reqs = []
             for i in (i for i, b in enumerate(bufs) if b.nbytes < limit):
                 if bufs[i].dtype == np.uint16:  # MPI cannot sum bfloat16 bits: fp32, rounded back
-                    f32 = _widened(bufs[i])
+                    f32 = bf16_to_f32(bufs[i])
                     self.comm.Allreduce(MPI.IN_PLACE, f32, op=MPI.SUM)
-                    outs[i] = _narrowed(f32, bufs[i].dtype)
+                    outs[i] = bf16_bits(f32)
                 elif self.multi_host:
                     reqs.append(self.comm.Iallreduce(bufs[i], outs[i], op=MPI.SUM))
                 else:
