@@ -293,7 +293,7 @@ def test_bf16_bits_match_mlx():
     assert np.array_equal(ours, theirs)
 
 
-@pytest.mark.parametrize("wire", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("wire", ["float32", "bfloat16", "float16", "int8", "int4"])
 def test_codec_roundtrip_size_and_error(wire):
     codec = make_codec(wire)
     rng = np.random.default_rng(2)
@@ -305,10 +305,14 @@ def test_codec_roundtrip_size_and_error(wire):
         assert np.array_equal(x, y)
     elif wire == "bfloat16":
         np.testing.assert_allclose(y, x, rtol=2**-8)
+    elif wire == "float16":
+        np.testing.assert_allclose(y, x, rtol=2**-11)
+        residual = np.zeros_like(x)
+        assert np.array_equal(codec.decode(codec.encode(x, residual), x.size) + residual, x)  # error feedback
     else:
         assert np.all(np.abs(y - x) <= codec.step_bound(x) * (1 + 1e-6))
     ratio = codec.nbytes(x.size) / (4 * x.size)
-    assert ratio == pytest.approx({"float32": 1, "bfloat16": 0.5, "int8": (1 + 4 / BLOCK) / 4, "int4": (0.5 + 4 / BLOCK) / 4}[wire])
+    assert ratio == pytest.approx({"float32": 1, "bfloat16": 0.5, "float16": 0.5, "int8": (1 + 4 / BLOCK) / 4, "int4": (0.5 + 4 / BLOCK) / 4}[wire])
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -438,6 +442,20 @@ def test_resume_on_fewer_ranks_continues_from_the_global_state():
     anchors, _, _, _, _ = reference(batches[:2], [[period] * 2] * 2, fragments, 2, start=start)
     for i in range(len(SHAPES)):
         np.testing.assert_allclose(resumed[0].dl.anchors[i], anchors[i].reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_one_codec_registry_says_what_the_wire_can_sum():
+    """fp32/bf16/fp16 are summed hop by hop (data parallel, sharding: `dist.wire_dtype`);
+    int8/int4 must be all-gathered and decoded, so a summing exchange refuses them by key."""
+    x = np.array([1.0, -2.5, 3e-3, 65504.0], np.float32)
+    for name, dtype in (("float32", np.float32), ("bfloat16", np.uint16), ("float16", np.float16)):
+        codec = make_codec(name, "dist.wire_dtype", summable=True)
+        wire = codec.to_wire(x)
+        assert codec.summable and wire.dtype == dtype == codec.wire_dtype
+        np.testing.assert_allclose(codec.from_wire(wire), x, rtol=2**-8)
+    assert not make_codec("int8").summable and not make_codec("int4").summable
+    with pytest.raises(ValueError, match="dist.wire_dtype=int8: this exchange sums on the wire"):
+        make_codec("int8", "dist.wire_dtype", summable=True)
 
 
 def test_bad_settings_name_the_key():
