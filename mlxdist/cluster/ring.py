@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from .codec import bf16_bits
+from .codec import bf16_bits, bf16_to_f32
 
 # Below this many bytes an array goes through MPI's Allreduce: latency, not bandwidth,
 # decides there, and one collective call beats 2(n-1) ring messages.
@@ -33,7 +33,7 @@ RING_WINDOW = int(os.environ.get("MLXDIST_RING_WINDOW", 256))
 def _bf16_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """bfloat16 sum on uint16 bit patterns (numpy has no bfloat16): widen to fp32, add,
     round to nearest even, as MLX's astype does."""
-    out[...] = bf16_bits((a.astype(np.uint32) << 16).view(np.float32) + (b.astype(np.uint32) << 16).view(np.float32))
+    out[...] = bf16_bits(bf16_to_f32(a) + bf16_to_f32(b))
 
 
 def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
