@@ -22,8 +22,9 @@ On the wire a micro-batch moves the weights twice (forward and backward) and the
 once: 1.5 times the bytes of data parallel's all-reduce, per micro-batch (data parallel sends
 once per step). The exchanges run on a transport channel of their own (`Transport.channel`,
 pipelined: under mpi4py the ring, one host too, a stage one ring collective; mx.distributed
-has no second channel, so under mlx-* backends they go over mpi4py's ring). The update is ZeRO-1/2's on the shard, with no
-all-gather after it: the next step's forward gathers what it needs.
+has no second channel, so under mlx-* backends they go over mpi4py's ring). The update is
+ZeRO-1/2's on the shard, with no all-gather after it: the next step's forward gathers what it
+needs.
 
 Evaluation runs stage by stage too (`eval_losses`, forward only, rounds agreed as in the
 step). The whole model exists only where something reads it whole: a checkpoint's writers
