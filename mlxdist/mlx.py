@@ -41,14 +41,14 @@ def init(config: str | Path | Config | None = None, backend: str = "auto", stall
          metrics_port: int | None = None) -> Info:
     """Join the job mpirun started (one rank without mpirun). `backend`: the gradient
     transport (`dist.backend`'s choices); `config`: a YAML whose `nodes:` size `shares`."""
-    from .cluster.collective import make_collective
+    from .cluster.transport import make_transport
     from .sync.grad import GradSync
 
     chosen = resolve_backend(backend)
     s = _session.start("mlx", config, chosen, stall_timeout, metrics_port)
     s.device = str(mx.default_device())
     if "grad" not in _SYNC:
-        _SYNC["grad"] = GradSync(make_collective(s.world, chosen))
+        _SYNC["grad"] = GradSync(make_transport(s.world, chosen))
     return info()
 
 

@@ -189,6 +189,7 @@ class DistributedOptimizer:
 
     def _setup(self, model: torch.nn.Module, reduction: str, bucket_mb: float, wire_dtype: str,
                overlap: bool) -> None:
+        from .cluster.transport import make_transport
         from .sync.torch_grad import TorchGradSync
 
         if reduction not in ("mean", "sum"):
@@ -198,7 +199,8 @@ class DistributedOptimizer:
         _session.check_same_shapes(s, {n: tuple(p.shape) for n, p in named}, f"{_NAME}.DistributedOptimizer")
         self._md_session, self._md_reduction = s, reduction
         self._md_grads = ParamGradients([p for _, p in named], model)
-        self._md_sync = TorchGradSync(s.world, bucket_mb, wire_dtype, overlap) if s.size > 1 else None
+        self._md_sync = (TorchGradSync(make_transport(s.world, "mpi4py"), bucket_mb, wire_dtype, overlap)
+                         if s.size > 1 else None)
         self._md_count: int | None = None  # units since the last step; None: none given yet
         self._md_armed, self._md_quiet, self._md_synced = False, False, None
 

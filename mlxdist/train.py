@@ -105,9 +105,9 @@ def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int
 def _abort_peers(code: int) -> None:
     """Under mpirun, one rank's fatal error must end every rank, not leave them waiting; the
     job's exit status is still the error's (2: fix the input)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
-        mpi.COMM_WORLD.Abort(code)
+    from .cluster.world import abort_peers
+
+    abort_peers(code)
 
 
 def train(cfg: Config, engine_name: str = "mlx", device: str = "auto", task: Task | None = None) -> int:

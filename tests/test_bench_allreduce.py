@@ -49,7 +49,8 @@ RING = textwrap.dedent("""
     import sys
     import mlx.core as mx
     import numpy as np
-    from mlxdist.cluster.collective import Mpi4pyCollective, ring_allreduce
+    from mlxdist.cluster.ring import ring_allreduce
+    from mlxdist.cluster.transport import MpiTransport
     from mlxdist.models.weights import checksum
     from mlxdist.sync.grad import GradSync
     from mlxdist.cluster.world import init_world
@@ -64,9 +65,9 @@ RING = textwrap.dedent("""
     for k, o in zip(lens, outs):
         want = n * (np.arange(k, dtype=np.float32) % 97) + n * (n - 1) / 2
         assert np.array_equal(o, want), (k, o[:5], want[:5])
-    coll = Mpi4pyCollective(world)
+    coll = MpiTransport(world)
     for wire, ring in [(w, g) for w in ("float32", "float16", "bfloat16") for g in (False, True)]:
-        coll.use_ring = ring  # one host: forced, as between hosts
+        coll.multi_host = ring  # one host: the ring forced, as between hosts
         sync = GradSync(coll, bucket_mb=0.5, wire_dtype=wire)
         grads = [mx.full((k,), float(r + 1)) for k in (3, 64, 200_000, 1 << 20)]
         for _ in range(2):  # the second call reuses the cached buffers

@@ -14,11 +14,11 @@ from functools import partial
 import numpy as np
 import pytest
 
+from mlxdist.cluster.codec import BLOCK, BlockQuantCodec, bf16_bits, make_codec
 from mlxdist.state.checkpoint import from_safetensors, to_safetensors
 from mlxdist.sync.diloco import DiLoCo, OuterOptimizer
 from mlxdist.sync.fragments import partition
 from mlxdist.sync.overlap import OverlappedSync
-from mlxdist.sync.wire import BLOCK, BlockQuantCodec, bf16_bits, make_codec
 
 # A tiny tanh MLP regression: parameter sizes 48, 8, 16, 2.
 SHAPES = [(6, 8), (8,), (8, 2), (2,)]
@@ -293,7 +293,7 @@ def test_bf16_bits_match_mlx():
     assert np.array_equal(ours, theirs)
 
 
-@pytest.mark.parametrize("wire", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("wire", ["float32", "bfloat16", "float16", "int8", "int4"])
 def test_codec_roundtrip_size_and_error(wire):
     codec = make_codec(wire)
     rng = np.random.default_rng(2)
@@ -305,10 +305,14 @@ def test_codec_roundtrip_size_and_error(wire):
         assert np.array_equal(x, y)
     elif wire == "bfloat16":
         np.testing.assert_allclose(y, x, rtol=2**-8)
+    elif wire == "float16":
+        np.testing.assert_allclose(y, x, rtol=2**-11)
+        residual = np.zeros_like(x)
+        assert np.array_equal(codec.decode(codec.encode(x, residual), x.size) + residual, x)  # error feedback
     else:
         assert np.all(np.abs(y - x) <= codec.step_bound(x) * (1 + 1e-6))
     ratio = codec.nbytes(x.size) / (4 * x.size)
-    assert ratio == pytest.approx({"float32": 1, "bfloat16": 0.5, "int8": (1 + 4 / BLOCK) / 4, "int4": (0.5 + 4 / BLOCK) / 4}[wire])
+    assert ratio == pytest.approx({"float32": 1, "bfloat16": 0.5, "float16": 0.5, "int8": (1 + 4 / BLOCK) / 4, "int4": (0.5 + 4 / BLOCK) / 4}[wire])
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -440,6 +444,20 @@ def test_resume_on_fewer_ranks_continues_from_the_global_state():
         np.testing.assert_allclose(resumed[0].dl.anchors[i], anchors[i].reshape(-1), rtol=1e-5, atol=1e-5)
 
 
+def test_one_codec_registry_says_what_the_wire_can_sum():
+    """fp32/bf16/fp16 are summed hop by hop (data parallel, sharding: `dist.wire_dtype`);
+    int8/int4 must be all-gathered and decoded, so a summing exchange refuses them by key."""
+    x = np.array([1.0, -2.5, 3e-3, 65504.0], np.float32)
+    for name, dtype in (("float32", np.float32), ("bfloat16", np.uint16), ("float16", np.float16)):
+        codec = make_codec(name, "dist.wire_dtype", summable=True)
+        wire = codec.to_wire(x)
+        assert codec.summable and wire.dtype == dtype == codec.wire_dtype
+        np.testing.assert_allclose(codec.from_wire(wire), x, rtol=2**-8)
+    assert not make_codec("int8").summable and not make_codec("int4").summable
+    with pytest.raises(ValueError, match="dist.wire_dtype=int8: this exchange sums on the wire"):
+        make_codec("int8", "dist.wire_dtype", summable=True)
+
+
 def test_bad_settings_name_the_key():
     with pytest.raises(ValueError, match="dist.inner_steps=2 is below dist.fragments=3"):
         make_dl(fragments=3, period=2)
@@ -454,8 +472,8 @@ def test_bad_settings_name_the_key():
 MPI_SCRIPT = """
 import json, sys
 import numpy as np
-from mlxdist.cluster.collective import make_collective
-from mlxdist.sync.comm import allgather_from_comm, allreduce_from_collective, allreduce_from_comm
+from mlxdist.cluster.transport import make_transport
+from mlxdist.sync.comm import allgather_from_transport, allreduce_from_transport
 from mlxdist.sync.overlap import OverlappedSync
 from mlxdist.cluster.world import init_world
 from tests.test_diloco import RankState, drive, inner_step, make_dl
@@ -465,11 +483,12 @@ world = init_world()
 r, b = world.rank, batches[world.rank]
 s = RankState(make_dl(wire, fragments, period))
 if delay is None:
-    drive(r, s, b, allreduce_from_collective(make_collective(world, "mpi4py")), allgather_from_comm(world.comm),
-          rounds=rounds)
-else:  # background exchanges on their own communicator
-    comm = world.comm.Dup()
-    ov = OverlappedSync(s.dl, allreduce_from_comm(comm), allgather_from_comm(comm), delay=delay, alpha=0.5)
+    transport = make_transport(world, "mpi4py")
+    drive(r, s, b, allreduce_from_transport(transport), allgather_from_transport(transport), rounds=rounds)
+else:  # background exchanges on a channel of their own
+    channel = make_transport(world, "mpi4py").channel()
+    ov = OverlappedSync(s.dl, allreduce_from_transport(channel), allgather_from_transport(channel), delay=delay,
+                        alpha=0.5)
     while s.t < rounds * period:
         s.local = inner_step(r, s.t, b, s.local, s.adam)
         s.t += 1
@@ -526,7 +545,7 @@ def test_real_mpirun_ranks_match(tmp_path, batches, fragments, wire):
 
 
 def test_real_mpirun_background_sync_matches_streaming_reference(tmp_path):
-    """Exchanges on a worker thread over a Dup'd communicator, under real MPI."""
+    """Exchanges on a worker thread over a transport channel, under real MPI."""
     batches, period, fragments, rounds, delay, n = [2, 3, 7], 6, 3, 4, 1, len(SHAPES)
     got = _mpirun(tmp_path, batches, fragments, "float32", period, rounds, delay)
     anchors, local = reference_overlapped(batches, period, fragments, period * rounds, delay, 0.5)

@@ -15,7 +15,8 @@ from helpers import ROOT, mpirun_path
 PROG = textwrap.dedent("""
     import numpy as np
     from mpi4py import MPI
-    from mlxdist.cluster.ring import bf16_bits, ring_allgather, ring_reduce_scatter
+    from mlxdist.cluster.codec import bf16_bits
+    from mlxdist.cluster.ring import ring_allgather, ring_reduce_scatter
 
     comm = MPI.COMM_WORLD
     n, r = comm.Get_size(), comm.Get_rank()

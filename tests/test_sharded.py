@@ -161,6 +161,19 @@ def test_sharded_equals_data_parallel_and_one_process(tmp_path, one_process):
 
 
 @pytest.mark.cluster
+@pytest.mark.parametrize("backend, shard", [("mlx-ring", "optimizer"), ("mlx-mpi", "gradients")])
+def test_sharding_runs_on_mlx_backends_and_equals_one_process(tmp_path, one_process, backend, shard):
+    """The exchange over MLX's collectives (`MlxTransport`: all_sum for the reduce-scatter, a
+    padded all_gather for the weights and the checkpoint's moments): 3+5 on two ranks equals
+    8 on one rank, weights and moments, as over mpi4py."""
+    r = _ok(_train([SPLIT, f"dist.shard={shard}", f"dist.backend={backend}", f"train.out_dir={tmp_path}"], np_=2))
+    assert f"exchange: {backend} all_sum" in r.stderr, r.stderr[-3000:]
+    assert_same_weights(final_weights(one_process), final_weights(tmp_path), atol=1e-5)
+    moments = _max_diff(_checkpoint(one_process, 4).optimizer, _checkpoint(tmp_path, 4).optimizer)
+    assert moments <= 1e-6, f"{backend} {shard}: moments differ by {moments:.3g}"
+
+
+@pytest.mark.cluster
 def test_checkpoints_resume_across_sharded_and_unsharded_runs(tmp_path, one_process):
     """Shards by memory budget (0.8 vs 0.2: rank 0 owns 4x); a save mid-run disturbs
     nothing; its step-2 checkpoint is data parallel's and resumes on one unsharded rank, and

@@ -59,7 +59,7 @@ def test_a_strategy_is_registered_once_and_an_unknown_name_lists_the_known():
 def test_the_chooser_runs_the_strategys_own_check_with_todays_message():
     cfg = load_config(None, ["dist.shard=optimizer", "dist.mode=diloco"])
     with pytest.raises(ConfigError, match="dist.mode=diloco keeps each rank's own optimizer: set dist.shard=none"):
-        make_strategy(cfg, WORLD, SimpleNamespace(capabilities=Capabilities("t")), None, ["h"])
+        make_strategy(cfg, WORLD, SimpleNamespace(capabilities=Capabilities("t")), None, ["h"], None)
 
 
 def test_a_subclass_writes_only_the_hooks_it_changes():
@@ -81,7 +81,7 @@ def test_mlx_engines_declare_what_they_can_do_and_sharding_reads_it():
     assert own.capabilities == Capabilities(task.name, own_optimizer=True)
     with pytest.raises(ConfigError, match=r"dist.shard=gradients shards mlxdist's AdamW; this task brings its own "
                                           r"optimizer \(Task.optimizer\): drop it or set dist.shard=none"):
-        make_strategy(cfg, WORLD, own, None, ["h"])
+        make_strategy(cfg, WORLD, own, None, ["h"], None)
     plain, staged = MLXEngine(cfg, task=mlx_mlp()).capabilities, MLXEngine(cfg, task=mlx_staged_mlp()).capabilities
     assert (plain.own_optimizer, plain.staged, staged.staged, staged.loss_scaling) == (False, False, True, False)
 
@@ -100,7 +100,7 @@ def test_torch_engines_declare_what_they_can_do_and_sharding_reads_it():
     half = TorchEngine(load_config(None, ["dist.shard=optimizer", "model.dtype=float16"]), "cpu", task=torch_mlp())
     assert half.capabilities.loss_scaling
     with pytest.raises(ConfigError, match=r"scales the loss \(GradScaler\), which the sharded update does not undo"):
-        make_strategy(cfg, WORLD, half, None, ["h"])
+        make_strategy(cfg, WORLD, half, None, ["h"], None)
 
 
 SCRIPT = """

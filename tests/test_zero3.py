@@ -122,6 +122,16 @@ def test_staged_model_zero3_trains_evaluates_and_saves_as_one_process(staged_one
 
 
 @pytest.mark.cluster
+def test_zero3_on_mlx_ring_equals_one_process(tmp_path, staged_one):
+    """Under dist.backend=mlx-ring the stages' exchanges run on a channel (mpi4py's ring: MLX has
+    no second channel) and the checkpoint's gather on MLX's all_gather: the same numbers."""
+    _ok(_train([*STAGED, SPLIT, ZERO3, "dist.backend=mlx-ring", "checkpoint.every=2", f"train.out_dir={tmp_path}"],
+               np_=2))
+    assert_same_weights(final_weights(staged_one), final_weights(tmp_path), atol=1e-5)
+    assert _max_diff(_checkpoint(tmp_path, 2).optimizer, _checkpoint(staged_one, 2).optimizer) <= 1e-6
+
+
+@pytest.mark.cluster
 def test_zero3_and_unsharded_checkpoints_resume_each_other(tmp_path, staged_one, staged_zero3):
     """ZeRO-3's step 2 resumes on one unsharded rank, and one rank's step 2 resumes under ZeRO-3
     with shards by memory budget (0.8 vs 0.2): both end where the uninterrupted run does."""

@@ -1,4 +1,5 @@
-"""All-reduce benchmark: our gradient sync on each transport against raw mpi4py.
+"""All-reduce benchmark: our gradient sync (`GradSync` over `cluster/transport.py`) on each
+backend against raw mpi4py (the one place outside `cluster/` that calls MPI: it is the baseline).
 
 Run it plainly and it launches itself under `mpirun` (on this machine, or on a
 namespace cluster whose links are shaped to a given rate), one launch per process
@@ -115,42 +116,39 @@ def _worker(args: argparse.Namespace) -> int:
     import mlx.core as mx
     import numpy as np
 
-    from ..cluster.collective import make_collective
+    from ..cluster.transport import make_transport
     from ..cluster.world import init_world
     from ..sync.grad import GradSync
 
     family = args._worker
     world = init_world(family)
     world.start_watchdog(max(60.0, args.timeout / 2))
-    from mpi4py import MPI
-
-    comm = world.comm
     n, rank = world.size, world.rank
     wanted = [t for t in args.transports.split(",") if t in _FAMILIES[family]]
-    collective = make_collective(world, family, args.ring_connections) if (
+    transport = make_transport(world, family, args.ring_connections) if (
         set(wanted) - {"raw-mpi4py"}) else None
-    sync = GradSync(collective, args.bucket_mb, args.wire_dtype) if collective else None
+    sync = GradSync(transport, args.bucket_mb, args.wire_dtype) if transport else None
     results: dict[str, dict[str, float]] = {t: {} for t in wanted}
     expect = n * (n + 1) / 2
 
     def timed(fn) -> float:
-        comm.Barrier()
+        world.barrier("bench barrier")
         t0 = time.perf_counter()
         fn()
-        dt = np.array([time.perf_counter() - t0])
-        comm.Allreduce(MPI.IN_PLACE, dt, op=MPI.MAX)  # the slowest rank is the job's time
-        return float(dt[0])
+        return max(world.allgather(time.perf_counter() - t0))  # the slowest rank is the job's time
 
     for nbytes in _sizes(args):
         elems = max(1, nbytes // 4)
         iters = args.iters or iterations(nbytes, args.quick)
         for t in wanted:
-            if t == "raw-mpi4py":
+            if t == "raw-mpi4py":  # the baseline: Open MPI's Allreduce, nothing of ours
+                from mpi4py import MPI
+
                 src = np.full(elems, rank + 1, dtype=np.float32)
                 dst = np.empty_like(src)
 
                 def step(src=src, dst=dst) -> None:
-                    comm.Allreduce(src, dst, op=MPI.SUM)
+                    MPI.COMM_WORLD.Allreduce(src, dst, op=MPI.SUM)
 
                 step()
                 ok = bool(np.all(dst == expect))
@@ -175,7 +173,7 @@ def _worker(args: argparse.Namespace) -> int:
             del step
     if rank == 0:
         Path(args._out).write_text(json.dumps({"n": n, "results": results}))
-    comm.Barrier()
+    world.barrier("bench end")
     return 0
 
 

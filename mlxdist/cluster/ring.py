@@ -1,5 +1,5 @@
-"""The numpy half of the data plane: our pipelined ring all-reduce and the bucket sum around
-it, over mpi4py. No MLX here: the PyTorch engine sums its gradients through it too.
+"""Our pipelined ring over mpi4py point-to-point messages: all-reduce, and reduce-scatter and
+all-gather with unequal ranges. Numpy only; `transport.MpiTransport` decides when to use it.
 
 Why our own ring: Open MPI's Allreduce (and Iallreduce, worse) left a shaped 1 Gbit/s
 link idle for a third to a half of the time between two hosts. A ring reduce-scatter +
@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from .world import World
+from .codec import bf16_bits, bf16_to_f32
 
 # Below this many bytes an array goes through MPI's Allreduce: latency, not bandwidth,
 # decides there, and one collective call beats 2(n-1) ring messages.
@@ -33,7 +33,7 @@ RING_WINDOW = int(os.environ.get("MLXDIST_RING_WINDOW", 256))
 def _bf16_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """bfloat16 sum on uint16 bit patterns (numpy has no bfloat16): widen to fp32, add,
     round to nearest even, as MLX's astype does."""
-    out[...] = bf16_bits((a.astype(np.uint32) << 16).view(np.float32) + (b.astype(np.uint32) << 16).view(np.float32))
+    out[...] = bf16_bits(bf16_to_f32(a) + bf16_to_f32(b))
 
 
 def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
@@ -272,62 +272,3 @@ def ring_allgather(comm, outs: list[np.ndarray], owners: list[Ranges],
                 view = outs[a][lo:hi]
                 pump.recv_plan.append((lambda v=view: v, prv, tag(t, a, k), forward(t, a, k) if t < n - 2 else None))
     pump.run()
-
-
-def bf16_bits(f32: np.ndarray) -> np.ndarray:
-    """fp32 -> bfloat16 bit patterns (uint16), rounded to nearest even as MLX and torch do."""
-    u = np.ascontiguousarray(f32, np.float32).view(np.uint32)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = np.isnan(f32)
-    if nan.any():
-        r[nan] = 0x7FC0
-    return r
-
-
-class NumpyAllReduce:
-    """Sum flat numpy buffers (fp32, or bfloat16 as uint16 bits) over all ranks: small ones
-    through Open MPI's Allreduce, large ones through the ring where a network link is."""
-
-    def __init__(self, world: World):
-        self.world, self.comm = world, world.comm
-        self.rank, self.size = world.rank, world.size
-        # Its own communicator: ring tags can never match another caller's messages.
-        self.ring_comm = world.comm.Dup()
-        # Result buffers kept between calls: fresh ones cost a page fault per 4 KiB,
-        # which measured slower than the copy itself on large gradients.
-        self._out_cache: dict[tuple[int, int, str], np.ndarray] = {}
-        # Within one host Open MPI's shared-memory Allreduce beat the ring 2-4x (64 KiB
-        # messages through shared memory); the ring pays off where a network link is.
-        self.use_ring = len(set(world.allgather(world.host))) > 1
-
-    def _out(self, i: int, like: np.ndarray) -> np.ndarray:
-        key = (i, like.size, like.dtype.str)
-        buf = self._out_cache.get(key)
-        if buf is None:
-            buf = self._out_cache[key] = np.empty_like(like)
-        return buf
-
-    def sum_buffers(self, srcs: list[np.ndarray]) -> list[np.ndarray]:
-        from mpi4py import MPI
-
-        if len(self._out_cache) > 4 * len(srcs):  # the caller's layout changed
-            self._out_cache.clear()
-        outs = [self._out(i, b) for i, b in enumerate(srcs)]
-        limit = RING_MIN_BYTES if self.use_ring else 1 << 62
-        big = [i for i, b in enumerate(srcs) if b.nbytes >= limit]
-        small = [i for i, b in enumerate(srcs) if b.nbytes < limit]
-        with self.world.watch("gradient all-reduce"):
-            reqs = []
-            for i in small:
-                if srcs[i].dtype == np.uint16:  # MPI cannot sum bfloat16 bits
-                    f32 = (srcs[i].astype(np.uint32) << 16).view(np.float32)
-                    self.comm.Allreduce(MPI.IN_PLACE, f32, op=MPI.SUM)
-                    outs[i] = bf16_bits(f32)
-                elif self.use_ring:
-                    reqs.append(self.comm.Iallreduce(srcs[i], outs[i], op=MPI.SUM))
-                else:
-                    self.comm.Allreduce(srcs[i], outs[i], op=MPI.SUM)
-            if big:
-                ring_allreduce(self.ring_comm, [srcs[i] for i in big], [outs[i] for i in big])
-            MPI.Request.Waitall(reqs)
-        return outs

@@ -234,6 +234,12 @@ class World:
             self.comm.Abort(code)
         os._exit(code)
 
+    def end_job(self, code: int) -> None:
+        """End every rank now, saying nothing (the caller has printed why): a rank's crash in
+        a user's script must not leave the others waiting in a collective."""
+        if self.comm is not None:
+            self.comm.Abort(code)
+
     @contextmanager
     def watch(self, what: str, patience: float = 1.0):
         """Mark a blocking collective so the stall watchdog can name it if it never returns.
@@ -341,6 +347,14 @@ class World:
 
     def _give_back_terminal(self) -> None:
         pass
+
+
+def abort_peers(code: int) -> None:
+    """End every rank of an mpirun job, if MPI is up (a fatal error before or after any World
+    exists); nothing otherwise."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+        mpi.COMM_WORLD.Abort(code)
 
 
 def _devnull():

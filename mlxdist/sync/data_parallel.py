@@ -13,7 +13,8 @@ from .strategy import Strategy
 
 
 class DataParallel(Strategy):
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None):
+    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None,
+                 transport=None):
         self.world, self.reducer = world, reducer
         self.drift_check = world.size > 1
         self.state_sync = StateSync(world)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cluster.codec import make_codec
 from .fragments import partition, threshold
-from .wire import make_codec
 
 AllReduceSum = Callable[[list[np.ndarray]], list[np.ndarray]]
 AllGather = Callable[[np.ndarray], list[np.ndarray]]

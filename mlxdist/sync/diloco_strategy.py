@@ -27,12 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config, DistConfig
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats, local_step
 from ..state import rank_state
-from .comm import allgather_from_comm, allreduce_from_comm
+from .comm import allgather_from_transport, allreduce_from_transport
 from .diloco import DiLoCo, OuterStats
 from .fragments import TimeBox
 from .model_state import StateSync
@@ -43,10 +44,11 @@ from .strategy import Strategy
 class DiLoCoStrategy(Strategy):
     """Ranks differ between outer syncs by design: no drift check (`Strategy`'s default)."""
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None):
+    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None,
+                 transport: Transport | None = None):
         self.world, self.hosts, self.dist = world, hosts, cfg.dist
         self.meet_every, self.steps = cfg.control.balance_interval, cfg.train.steps
-        self.outer = OuterSync(cfg.dist, engine.get_weights(), world.comm)
+        self.outer = OuterSync(cfg.dist, engine.get_weights(), transport)
         d = cfg.dist
         # A round must give each fragment a step of its own, and an overlapped sync must
         # land before its fragment's next one starts.
@@ -203,17 +205,17 @@ class DiLoCoStrategy(Strategy):
 class OuterSync:
     """Between the engine's weights (by name) and DiLoCo's flat parameter list."""
 
-    def __init__(self, cfg: DistConfig, weights: dict[str, np.ndarray], comm):
+    def __init__(self, cfg: DistConfig, weights: dict[str, np.ndarray], transport: Transport):
         self.names = sorted(weights)
         self.dl = DiLoCo([weights[n] for n in self.names], inner_steps=cfg.inner_steps, outer_lr=cfg.outer_lr,
                          outer_momentum=cfg.outer_momentum, wire=cfg.outer_wire, fragments=cfg.fragments)
         self.overlap: OverlappedSync | None = None
         if cfg.overlap_steps:
-            # The worker thread gets a communicator of its own: its messages never meet the loop's.
-            comm = comm.Dup() if comm is not None else None
-            self.overlap = OverlappedSync(self.dl, allreduce_from_comm(comm), allgather_from_comm(comm),
+            # The worker thread gets a channel of its own: its messages never meet the loop's.
+            channel = transport.channel()
+            self.overlap = OverlappedSync(self.dl, allreduce_from_transport(channel), allgather_from_transport(channel),
                                           delay=cfg.overlap_steps, alpha=cfg.overlap_alpha)
-        self.allreduce, self.allgather = allreduce_from_comm(comm), allgather_from_comm(comm)
+        self.allreduce, self.allgather = allreduce_from_transport(transport), allgather_from_transport(transport)
         self._handover: dict[int, float] = {}  # training-thread seconds of a sync in flight, by fragment
 
     # -- per step ---------------------------------------------------------------------

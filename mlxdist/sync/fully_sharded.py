@@ -20,9 +20,11 @@ order everywhere, so the exchanges pair up.
 
 On the wire a micro-batch moves the weights twice (forward and backward) and the gradients
 once: 1.5 times the bytes of data parallel's all-reduce, per micro-batch (data parallel sends
-once per step). All exchanges go over mlxdist's pipelined ring (`cluster/ring.py`), one host
-too: a stage is one ring collective. The update is ZeRO-1/2's on the shard, with no
-all-gather after it: the next step's forward gathers what it needs.
+once per step). The exchanges run on a transport channel of their own (`Transport.channel`,
+pipelined: under mpi4py the ring, one host too, a stage one ring collective; mx.distributed
+has no second channel, so under mlx-* backends they go over mpi4py's ring). The update is
+ZeRO-1/2's on the shard, with no all-gather after it: the next step's forward gathers what it
+needs.
 
 Evaluation runs stage by stage too (`eval_losses`, forward only, rounds agreed as in the
 step). The whole model exists only where something reads it whole: a checkpoint's writers
@@ -51,7 +53,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..cluster.ring import ring_allgather
+from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
 from ..engine.base import Engine, StepStats
@@ -89,7 +91,7 @@ class ExchangeThread:
     of the stage just left run while the compute works on the stage at hand. One round at a
     time, in a schedule every rank runs alike; at most two stages' gathered weights wait at
     once (the one computing and the next), so the prefetch costs a stage's memory, not the
-    model's. Only this thread uses the ring's communicator."""
+    model's. Only this thread uses the strategy's transport channel."""
 
     def __init__(self, gather: Callable[[int], list], reduce: Callable[[int, list | None], None], watch):
         self._gather, self._reduce, self._watch = gather, reduce, watch
@@ -183,9 +185,12 @@ class FullyShardedDataParallel(ShardedDataParallel):
         check_stageable(cfg, world, engine)
         super().check(cfg, world, engine)
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None):
-        super().__init__(cfg, world, engine, hosts)
+    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None,
+                 transport: Transport | None = None):
+        super().__init__(cfg, world, engine, hosts, reducer, transport)
         stage_names = self.ops.stage_names()
+        # ZeRO-3's many small exchanges (a stage at a time) run on the exchange thread.
+        self.channel = self.transport.channel(pipelined=True)
         self.drift_check = False  # one copy of each weight: nothing to drift apart
         index = {n: i for i, n in enumerate(self.names)}
         self.stages = [[index[n] for n in names] for names in stage_names]
@@ -215,8 +220,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
             a, b = self.owners[i][self.world.rank]
             buf[a:b] = mine[self.offsets[i] + a - self.lo:self.offsets[i] + b - self.lo]
             outs.append(buf)
-        if self.ring_comm is not None:
-            ring_allgather(self.ring_comm, outs, [self.owners[i] for i in self.stages[s]])
+        self.channel.all_gather(outs, [self.owners[i] for i in self.stages[s]])
         return outs
 
     def _reduce(self, s: int, flats: list[np.ndarray] | None) -> None:
@@ -225,10 +229,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
         idx = self.stages[s]
         if flats is None:
             flats = [np.zeros(self.offsets[i + 1] - self.offsets[i], np.float32) for i in idx]
-        if self.ring_comm is not None:
-            got = self._ring_reduce_scatter(flats, idx, watch=False)
-        else:
-            got = np.concatenate([f[slice(*self.owners[i][0])] for i, f in zip(idx, flats, strict=True)])
+        got = self._sum_ranges(flats, idx, self.channel, f"gradient reduce-scatter of stage {s}")
         at = 0
         for i in idx:
             a, b = self.owners[i][self.world.rank]

@@ -2,8 +2,9 @@
 
 Gradients are packed into flat buckets of about `bucket_mb` (few large messages beat many
 small ones on Ethernet/Wi-Fi latency), optionally cast to bf16/fp16 on the wire (half the
-bytes; the sum is cast back to fp32), and summed across ranks. Where the collective
-pipelines large arrays itself (`direct_min_bytes`, the mpi4py ring) and no cast is
+bytes, `cluster/codec.py`; the sum is cast back to fp32), and summed across ranks by the
+transport (`all_sum_arrays`: MLX arrays, no numpy round trip under mlx-* backends). Where the
+transport pipelines large arrays itself (`direct_min_bytes`, the mpi4py ring) and no cast is
 needed, large gradients skip the pack: on a slow-memory box the pack copy alone cost
 ~10% of a 1 Gbit/s link's time.
 """
@@ -14,21 +15,21 @@ import time
 
 import mlx.core as mx
 
-from ..cluster.collective import Collective
+from ..cluster.codec import make_codec
+from ..cluster.transport import Transport
 from .reducer import SyncStats, Unreduced, plan_buckets
-
-_WIRE = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 class GradSync:
-    def __init__(self, collective: Collective, bucket_mb: float = 25.0, wire_dtype: str = "float32"):
-        self.collective = collective
+    def __init__(self, transport: Transport, bucket_mb: float = 25.0, wire_dtype: str = "float32"):
+        self.transport = transport
         self.bucket_elems = max(1, int(bucket_mb * 2**20 / 4))
-        self.wire = _WIRE[wire_dtype]
+        # The codec's name is MLX's dtype name: the cast is the encoding, the ring sums it.
+        self.wire = getattr(mx, make_codec(wire_dtype, "dist.wire_dtype", summable=True).name)
         self._plan: list[list[int]] | None = None
 
     def _make_plan(self, arrays: list[mx.array]) -> list[list[int]]:
-        direct = self.collective.direct_min_bytes
+        direct = self.transport.direct_min_bytes
         if direct is None:
             return plan_buckets([a.size for a in arrays], self.bucket_elems)
         alone = [i for i, a in enumerate(arrays)
@@ -47,7 +48,7 @@ class GradSync:
         """MLX builds the whole backward graph lazily: there is nothing to overlap with."""
 
     def all_sum(self, arrays: list[mx.array]) -> tuple[list[mx.array], SyncStats]:
-        if self.collective.size == 1:
+        if self.transport.size == 1:
             return arrays, SyncStats()
         if self._plan is None:
             self._plan = self._make_plan(arrays)
@@ -56,7 +57,7 @@ class GradSync:
                  for b in self._plan]
         mx.eval(flats)
         t0 = time.perf_counter()
-        summed = self.collective.all_sum(flats)
+        summed = self.transport.all_sum_arrays(flats)
         mx.eval(summed)
         stats = SyncStats(time.perf_counter() - t0, sum(f.nbytes for f in flats))
         out: list[mx.array] = [None] * len(arrays)  # type: ignore[list-item]

@@ -8,9 +8,9 @@ mixing factor; 0.5 there). With delay 0 the sync is the blocking one and the anc
 replaces the local weights exactly.
 
 The worker runs syncs one at a time in submission order, so every rank issues the
-same collectives in the same order; it needs its own communicator (mpi4py
-`comm.Dup()`) and an MPI library with thread support (mpi4py asks for
-MPI_THREAD_MULTIPLE by default). It does all of a sync's CPU work too, not only the
+same collectives in the same order; it needs a channel of its own
+(`Transport.channel()`) and, under mpi4py, an MPI library with thread support (mpi4py asks
+for MPI_THREAD_MULTIPLE by default). It does all of a sync's CPU work too, not only the
 wire: the pseudo-gradient, its encoding, the decoding and the outer step (numpy lets go
 of the GIL for them). On a big model that work costs as much as the wire (a 135M model:
 seconds per sync on this machine), and on a Mac the CPU is idle while the GPU computes.

@@ -8,8 +8,9 @@ ranges are sized to each rank's memory budget (`proportional_split` of N by memo
 memory_target, the rank's `nodes:` entry or `control.memory_target`), so a 128 GB Studio
 holds more of the optimizer state than a 16 GB MacBook. A step:
 
-1. the summed gradients are reduce-scattered (unequal counts, in `dist.bucket_mb` buckets, one
-   MPI Reduce per owner): each rank receives the cluster's sum of its own range only;
+1. the summed gradients are reduce-scattered (the transport's `reduce_scatter`, unequal ranges,
+   in `dist.bucket_mb` buckets where it cuts them): each rank receives the cluster's sum of
+   its own range only;
 2. loss, count and metrics are all-reduced as in data parallel, the shard divided by the
    cluster's count; the global gradient norm comes from the shards' squared norms;
 3. a non-finite loss or norm skips the update (as the engine does); otherwise each rank
@@ -20,8 +21,8 @@ holds more of the optimizer state than a 16 GB MacBook. A step:
 
 One sharding for both engines: each lends a few operations (`engine.shard_ops()`,
 `engine.base.ShardOps`) that keep the math on its own device (MLX, or torch on MPS/CUDA/CPU),
-and only flat fp32 numpy crosses between ranks, in `_reduce_scatter` and `_allgather` alone,
-so the exchange knows no framework. Each engine's shard update is its own unsharded update,
+and only flat numpy crosses between ranks, through the transport (`cluster/transport.py`,
+any `dist.backend`), so the exchange knows no framework. Each engine's shard update is its own unsharded update,
 element for element (MLX: `mlx_engine.adamw`; torch: the functional AdamW that
 `torch.optim.AdamW` runs): that is what makes a sharded run equal data parallel on either
 engine. The flat vector is in checkpoint layout (the torch engine holds LoRA factors
@@ -29,17 +30,19 @@ transposed), so gathered moments are the checkpoint's `m.<param>`/`v.<param>` as
 
 On the wire this is what data parallel sends: an all-reduce is a reduce-scatter followed by
 an all-gather; here the all-gather carries new weights instead of summed gradients (between
-two ranks each sends 4 N bytes a step either way; beyond, Open MPI's Reduce and Allgatherv
-algorithms decide). The exchange uses Open MPI's collectives, not the pipelined ring that
-data parallel uses between hosts (`cluster/ring.py`): measured on one host only. The
-results equal data parallel's to fp32 rounding (DESIGN promise 9): the norm's sum is taken
-per parameter piece, then over ranks in float64.
+two ranks each sends 4 N bytes a step either way). Which collectives carry it is the
+transport's choice (mpi4py: the pipelined ring between hosts and for half-precision wires,
+Open MPI's Reduce/Allgatherv on one host; mlx-*: MLX's all_sum/all_gather). The gradients'
+wire format is `dist.wire_dtype`'s codec (`cluster/codec.py`). The results equal data
+parallel's to fp32 rounding (DESIGN promise 9): the norm's sum is taken per parameter piece,
+then over ranks in float64.
 
 Memory. ZeRO-1 saves 8 N (1 - f) bytes per rank (f: the rank's fraction) of the 16 N that
 weights, gradients and moments take in data parallel (the all-gather keeps a 4 N buffer, as
 data parallel's reducer keeps its result buffers). Both let go of the local gradients before
 the update (only the summed shard is needed): ZeRO-1 once the reduce-scatter is done, ZeRO-2
-each array as soon as its last bucket is sent (on one host; the ring sends all at once). Held
+each array as soon as its last bucket is sent (where the transport cuts buckets: Open MPI's
+collectives on one host; the ring and MLX send all at once). Held
 through the update, they cost ZeRO-1 a tenth of its step rate between hosts (the update's and
 the all-gather's fresh buffers could not reuse theirs). Backward still builds the whole
 gradient (`value_and_grad`'s tree; torch's `.grad` of every parameter) before any exchange
@@ -62,12 +65,12 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 
-from ..cluster.ring import RING_MIN_BYTES, bf16_bits, ring_allgather, ring_reduce_scatter
+from ..cluster.codec import make_codec
+from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
 from ..control.split import proportional_split
@@ -117,7 +120,8 @@ class ShardedDataParallel(DataParallel):
     def check(cls, cfg: Config, world: World, engine: Engine) -> None:
         check_shardable(cfg, world, engine)
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None):
+    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None,
+                 transport: Transport | None = None):
         super().__init__(cfg, world, engine, hosts)  # every rank sets the same gathered weights: drift check on
         self.cfg, self.hosts = cfg, hosts
         self.level = cfg.dist.shard
@@ -140,14 +144,9 @@ class ShardedDataParallel(DataParallel):
         self.m, self.v = self._zeros(), self._zeros()
         self.t = 0
         self._full: np.ndarray | None = None  # the all-gather's buffer, as data parallel's reducer keeps its own
+        self.transport = transport
         self.wire = cfg.dist.wire_dtype
-        # Between hosts, or with a half-precision wire (MPI cannot sum bfloat16): the pipelined
-        # ring (`cluster/ring.py`), on its own communicator so its tags meet no other messages.
-        # On one host Open MPI's shared-memory collectives; see `_reduce_scatter`.
-        # ZeRO-3's many small exchanges (a stage at a time) take the ring on one host too.
-        self.ring = world.comm is not None and (self.wire != "float32" or self.level == "weights" or (
-            len(set(hosts)) > 1 and 4 * self.total >= RING_MIN_BYTES))
-        self.ring_comm = world.comm.Dup() if self.ring else None
+        self.codec = make_codec(self.wire, "dist.wire_dtype", summable=True)
         self.ops.drop_moments(self.t)
 
     # -- layout -----------------------------------------------------------------------
@@ -184,7 +183,8 @@ class ShardedDataParallel(DataParallel):
                           for r, c in enumerate(self.counts))
         how = "in equal shards (dist.shard_split=equal)" if self.cfg.dist.shard_split == "equal" \
             else "by memory budget"
-        wire = "; exchange: " + ("pipelined ring" if self.ring else "Open MPI collectives (one host)")
+        wire = "; exchange: " + self.transport.exchange(self.codec.wire_dtype.itemsize * self.total,
+                                                        self.codec.wire_dtype)
         if self.wire != "float32":
             wire += f", gradients {self.wire} on the wire (weights fp32)"
         return (f"sharded data parallel, {LEVELS[self.level]} (dist.shard={self.level}): AdamW state of "
@@ -192,107 +192,48 @@ class ShardedDataParallel(DataParallel):
                 f"MB on every rank){wire}")
 
     # -- collectives ------------------------------------------------------------------
-    def _buckets(self):
-        for lo in range(0, self.total, self.bucket):
-            hi = min(self.total, lo + self.bucket)
-            yield lo, hi, bucket_counts(self.bounds, lo, hi)
-
     def _reduce_scatter(self, grads: list[np.ndarray]) -> np.ndarray:
         """This rank's range of the sum over ranks of `grads` (flat fp32, in name order).
         ZeRO-2 drops each gradient once its last element is sent."""
-        if self.world.comm is None:
-            parts = [grads[i][a:b] for i, _, a, b in self._mine()]
-            return np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        if self.ring:
-            return self._ring_reduce_scatter(grads)
-        from mpi4py import MPI
-
-        mine = np.empty(self.hi - self.lo, np.float32)
-        send = np.empty(min(self.bucket, self.total), np.float32)
-        free = self.level == "gradients"
-        views: dict[int, np.ndarray] = {}
-        with self.world.watch(f"gradient reduce-scatter ({LEVELS[self.level]})"):
-            for lo, hi, counts in self._buckets():
-                for i, _, a, b in self._mine(lo, hi):
-                    if i not in views:
-                        views[i] = grads[i]
-                    at = self.offsets[i] + a - lo
-                    send[at:at + b - a] = views[i][a:b]
-                    if free and self.offsets[i] + b == self.offsets[i + 1]:
-                        del views[i]
-                        grads[i] = None  # its last element is on its way: let the engine free it
-                # One Reduce to each owner: Open MPI's Reduce_scatter with unequal counts took
-                # 460 ms for 100 MB between two ranks on one host, two Reduce calls 78 ms.
-                at, start = max(self.lo, lo) - self.lo, 0
-                for owner, n in enumerate(counts):
-                    if n:
-                        into = mine[at:at + n] if owner == self.world.rank else None
-                        self.world.comm.Reduce(send[start:start + n], into, op=MPI.SUM, root=owner)
-                    start += n
-        return mine
+        return self._sum_ranges(grads, range(len(grads)), self.transport,
+                                f"gradient reduce-scatter ({LEVELS[self.level]})", consume=self.level == "gradients")
 
     def _ranges(self, i: int) -> list[tuple[int, int]]:
         """Each rank's range of parameter `i`, counted within it ((0, 0): none)."""
         a0, b0 = self.offsets[i], self.offsets[i + 1]
         return [(max(a, a0) - a0, min(b, b0) - a0) if min(b, b0) > max(a, a0) else (0, 0) for a, b in self.bounds]
 
-    def _ring_reduce_scatter(self, grads: list, indices: list[int] | None = None, watch: bool = True) -> np.ndarray:
-        """The ring's first half straight from the gradients (no packed copy) of the parameters
-        `indices` (default all), each one's ranges by owner; with `dist.wire_dtype` the
-        gradients go as bf16/fp16 (a half-size copy) and each hop's sum is rounded to it, as
-        data parallel's ring does. Returns this rank's ranges, parameter after parameter."""
-        indices = range(len(grads)) if indices is None else indices
+    def _sum_ranges(self, grads: list, indices, transport: Transport, what: str, consume: bool = False) -> np.ndarray:
+        """The reduce-scatter of the gradients (no packed copy at fp32) of the parameters
+        `indices`, each one's ranges by owner, over `transport`; with `dist.wire_dtype` the
+        gradients go as bf16/fp16 (a half-size copy; each hop's sum rounded to it, as data
+        parallel's ring does). Returns this rank's ranges, parameter after parameter, fp32."""
         srcs = grads
-        if self.wire == "bfloat16":
-            srcs = [bf16_bits(x) for x in srcs]
-        elif self.wire == "float16":
-            srcs = [x.astype(np.float16) for x in srcs]
+        if self.codec.wire_dtype != np.float32:
+            srcs = [self.codec.to_wire(x) for x in grads]
+            if consume:
+                grads[:] = [None] * len(grads)  # the half-size copies are what is sent
         owners = [self._ranges(i) for i in indices]
-        mine = np.empty(sum(o[self.world.rank][1] - o[self.world.rank][0] for o in owners),
-                        srcs[0].dtype if srcs else np.float32)
-        with self.world.watch(f"gradient reduce-scatter ({LEVELS[self.level]}, ring)") if watch else nullcontext():
-            ring_reduce_scatter(self.ring_comm, srcs, owners, mine)
-        if self.wire == "bfloat16":
-            return (mine.astype(np.uint32) << 16).view(np.float32)
-        return mine.astype(np.float32, copy=False)
+        mine = np.empty(sum(o[transport.rank][1] - o[transport.rank][0] for o in owners), self.codec.wire_dtype)
+        transport.reduce_scatter(srcs, owners, mine, what, consume=consume, bucket=self.bucket)
+        return self.codec.from_wire(mine)
 
     def _allgather(self, shard: np.ndarray, keep: bool = True) -> np.ndarray:
         """The whole flat vector from every rank's `shard`; `keep`: into the buffer kept
         between steps (a fresh one costs a page fault per 4 KiB, every step)."""
-        if self.world.comm is None:
+        if self.transport.size == 1:
             return shard
-        from mpi4py import MPI
-
         if keep and self._full is None:
             self._full = np.empty(self.total, np.float32)
         full = self._full if keep else np.empty(self.total, np.float32)
-        if self.ring:
-            full[self.lo:self.hi] = shard
-            with self.world.watch(f"weight all-gather ({LEVELS[self.level]}, ring)"):
-                ring_allgather(self.ring_comm, [full], [self.bounds])
-            return full
-        with self.world.watch(f"weight all-gather ({LEVELS[self.level]})"):
-            for lo, hi, counts in self._buckets():
-                at = max(self.lo, lo) - self.lo
-                got = counts[self.world.rank]
-                displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-                self.world.comm.Allgatherv(shard[at:at + got], [full[lo:hi], counts, displs, MPI.FLOAT])
+        full[self.lo:self.hi] = shard
+        self.transport.all_gather([full], [self.bounds], f"weight all-gather ({LEVELS[self.level]})",
+                                  bucket=self.bucket)
         return full
 
     def _gather(self, shard: np.ndarray, root: int, what: str = "optimizer state") -> np.ndarray | None:
-        if self.world.comm is None:
-            return shard.copy()
-        from mpi4py import MPI
-
-        full = np.empty(self.total, np.float32) if self.world.rank == root else None
-        with self.world.watch(f"{what} gather for the checkpoint", patience=10):
-            for lo, hi, counts in self._buckets():
-                at = max(self.lo, lo) - self.lo
-                got = counts[self.world.rank]
-                displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-                recv = [full[lo:hi], counts, displs, MPI.FLOAT] if full is not None else None
-                self.world.comm.Gatherv(shard[at:at + got], recv, root=root)
-        return full
+        return self.transport.gather(shard, self.bounds, self.total, root, f"{what} gather for the checkpoint",
+                                     bucket=self.bucket)
 
     # -- the step ---------------------------------------------------------------------
 
@@ -386,6 +327,4 @@ class ShardedDataParallel(DataParallel):
                                          "optimizer_bytes_here": self.shard_bytes()[self.world.rank]})]
 
     def close(self) -> None:
-        if self.ring_comm is not None:
-            self.ring_comm.Free()
-            self.ring_comm = None
+        """The transport is the run's, not this strategy's: nothing to let go."""

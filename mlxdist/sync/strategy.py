@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
 from ..control.step_plan import Decision
@@ -30,7 +31,7 @@ from ..tasks.metrics import MetricSums
 
 class Strategy(ABC):
     """The loop's contract with a way of training. Built as `cls(cfg, world, engine, hosts,
-    reducer)` after `cls.check(cfg, world, engine)` passed on every rank; `reducer` is the
+    reducer, transport)` after `cls.check(cfg, world, engine)` passed on every rank; `reducer` is the
     engine's gradient sum (data parallel's exchange; others may ignore it)."""
 
     drift_check: bool = False  # whether all ranks should hold bit-identical weights after every step
@@ -164,11 +165,14 @@ def strategy_class(name: str) -> type[Strategy]:
     return entry
 
 
-def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str]) -> Strategy:
-    """The config's strategy, checked, then built (every rank alike)."""
+def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str],
+                  transport: Transport) -> Strategy:
+    """The config's strategy, checked, then built (every rank alike). `transport`: the run's data
+    plane (`cluster.transport.make_transport`), which strategies that own their exchange use;
+    data parallel's goes through `reducer`."""
     cls = strategy_class(strategy_name(cfg))
     cls.check(cfg, world, engine)
-    return cls(cfg, world, engine, hosts, reducer)
+    return cls(cfg, world, engine, hosts, reducer, transport)
 
 
 def share_state(world: World, engine: Engine, root: int = 0) -> None:

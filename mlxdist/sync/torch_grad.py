@@ -1,14 +1,15 @@
 """Gradient sum across ranks for the PyTorch engine: torch.distributed has no MPS backend,
 so tensors are packed into flat buckets on their device, copied to host numpy once per
-bucket and summed over mpi4py (`cluster/ring.py`, the same ring as MLX's), then copied back.
+bucket and summed by the transport (`cluster/transport.py`, the same ring as MLX's over mpi4py),
+then copied back.
 
 Overlap, as DDP does it: armed before a step's last backward, each bucket is packed and
 handed to a sender thread as soon as backward has finished all its gradients (post-
 accumulate-grad hooks), while backward goes on with earlier layers. Buckets go out strictly
-in bucket order, so every rank issues the same collectives in the same order, on
-communicators of their own (the loop's control messages never interleave with them).
-`dist.bucket_mb` sizes buckets; `dist.wire_dtype=bfloat16` halves the bytes (the sum comes
-back as fp32). Knows tensors, not layers.
+in bucket order, so every rank issues the same collectives in the same order, on a
+transport channel of their own (the loop's control messages never interleave with them).
+`dist.bucket_mb` sizes buckets; `dist.wire_dtype=bfloat16` halves the bytes (`cluster/codec.py`;
+the sum comes back as fp32). Knows tensors, not layers.
 """
 
 from __future__ import annotations
@@ -20,21 +21,21 @@ import time
 import numpy as np
 import torch
 
-from ..cluster.ring import RING_MIN_BYTES, NumpyAllReduce, bf16_bits, ring_allreduce
-from ..cluster.world import World
+from ..cluster.codec import make_codec
+from ..cluster.transport import Transport
 from .reducer import SyncStats, plan_buckets
 
 
 class TorchGradSync:
-    def __init__(self, world: World, bucket_mb: float = 25.0, wire_dtype: str = "float32", overlap: bool = True):
+    def __init__(self, transport: Transport, bucket_mb: float = 25.0, wire_dtype: str = "float32",
+                 overlap: bool = True):
         if wire_dtype == "float16":
             raise ValueError("dist.wire_dtype=float16: the torch engine sums float32 or bfloat16 on the wire")
-        self.world, self.overlap = world, overlap
-        self.summer = NumpyAllReduce(world)
+        self.transport, self.overlap = transport, overlap
         self.bucket_elems = max(1, int(bucket_mb * 2**20 / 4))
-        self.bf16 = wire_dtype == "bfloat16"
+        self.codec = make_codec(wire_dtype, "dist.wire_dtype", summable=True)
         self._plan: list[list[int]] | None = None
-        self._sender = _Sender(world) if overlap else None  # collective: every rank builds its reducer
+        self._sender = _Sender(transport.channel()) if overlap else None  # collective: every rank builds it
         self._ready: set[int] = set()
         self._next = 0
         self._engine = None
@@ -47,9 +48,7 @@ class TorchGradSync:
 
     def _pack(self, tensors: list[torch.Tensor]) -> np.ndarray:
         flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-        if self.bf16:
-            return bf16_bits(flat.cpu().numpy())
-        return flat.cpu().numpy()
+        return self.codec.to_wire(flat.cpu().numpy())
 
     # -- overlap ------------------------------------------------------------------------
     def arm(self, engine) -> None:
@@ -81,17 +80,16 @@ class TorchGradSync:
         if self._sender is not None:
             for k in range(self._next, len(self._plan)):  # buckets backward did not finish (unused params)
                 self._launch(k, [tensors[i] for i in self._plan[k]])
-            with self.world.watch("gradient all-reduce"):
+            with self.transport.watch("gradient all-reduce"):
                 summed, nbytes = self._sender.collect(len(self._plan))
             self._ready, self._next = set(), 0
         else:
             bufs = [self._pack([tensors[i] for i in b]) for b in self._plan]
-            summed, nbytes = self.summer.sum_buffers(bufs), sum(b.nbytes for b in bufs)
+            summed, nbytes = self.transport.all_sum(bufs, reuse=True), sum(b.nbytes for b in bufs)
         stats = SyncStats(time.perf_counter() - t0, nbytes, overlapped)
         out: list[torch.Tensor] = list(tensors)
         for bucket, buf in zip(self._plan, summed, strict=True):
-            if buf.dtype == np.uint16:  # bfloat16 bits -> fp32 exactly
-                buf = (buf.astype(np.uint32) << 16).view(np.float32)
+            buf = self.codec.from_wire(buf)  # fp32: no copy
             # No copy on a CPU rank: the update reads these before the next step's sum reuses the buffer.
             total = torch.from_numpy(buf).to(tensors[bucket[0]].device)
             offset = 0
@@ -103,12 +101,11 @@ class TorchGradSync:
 
 
 class _Sender:
-    """One thread that sums buckets in the order they were handed over, on communicators
+    """One thread that sums buckets in the order they were handed over, on a transport channel
     only it uses (MPI is initialised thread-multiple by mpi4py)."""
 
-    def __init__(self, world: World):
-        self.comm, self.ring_comm = world.comm.Dup(), world.comm.Dup()
-        self.use_ring = len(set(world.allgather(world.host))) > 1
+    def __init__(self, channel: Transport):
+        self.channel = channel
         self.todo: queue.Queue = queue.Queue()
         self.done: queue.Queue = queue.Queue()
         threading.Thread(target=self._run, daemon=True, name="grad-sender").start()
@@ -128,21 +125,9 @@ class _Sender:
         return [got[k] for k in range(n)], nbytes
 
     def _run(self) -> None:
-        from mpi4py import MPI
-
         while True:
             k, buf = self.todo.get()
             try:
-                if buf.dtype == np.uint16:  # MPI cannot sum bfloat16 bits: fp32 on the wire, rounded back
-                    f32 = (buf.astype(np.uint32) << 16).view(np.float32)
-                    self.comm.Allreduce(MPI.IN_PLACE, f32, op=MPI.SUM)
-                    out = bf16_bits(f32)
-                else:
-                    out = np.empty_like(buf)
-                    if self.use_ring and buf.nbytes >= RING_MIN_BYTES:
-                        ring_allreduce(self.ring_comm, [buf], [out])
-                    else:
-                        self.comm.Allreduce(buf, out, op=MPI.SUM)
-                self.done.put((k, out, None))
+                self.done.put((k, self.channel.all_sum([buf])[0], None))
             except Exception as e:  # noqa: BLE001 - handed to the loop's thread
                 self.done.put((k, None, e))

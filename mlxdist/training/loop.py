@@ -57,7 +57,7 @@ from .evaluation import Evaluator
 from .hooks import HookError, Hooks
 from .next_steps import next_line, spelling
 from .states import ClusterInfo, ModelState, TaskState
-from .wiring import make_reducer, make_world
+from .wiring import make_data_plane, make_reducer, make_world
 
 
 class Trainer:
@@ -102,7 +102,8 @@ class Trainer:
                                           w.rank, lambda: self.state.step)
         self._check_same_base()
         shard_lines = resolve_shard(cfg, w, self.engine, self.hosts, self._builtin_lm)  # dist.shard: auto, fits?
-        self.sync: Strategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, w), self.hosts)
+        self.transport = t = make_data_plane(engine_name, cfg, w)  # the data plane, every collective
+        self.sync: Strategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, t), self.hosts, t)
         held = optimizer_state_bytes(self.engine, self.sync, w.rank)
         if held is not None:
             metrics.optimizer_state.set(held)

@@ -6,6 +6,7 @@ The composition root's job, not the engine's (an engine knows no ranks) nor the 
 
 from __future__ import annotations
 
+from ..cluster.transport import Transport, make_transport
 from ..cluster.world import World, init_world, resolve_backend
 from ..config import Config, ConfigError
 
@@ -21,19 +22,25 @@ def make_world(name: str, cfg: Config, device: str = "auto") -> World:
     return init_world(resolve_backend(cfg.dist.backend))
 
 
-def make_reducer(name: str, cfg: Config, world: World):
+def make_data_plane(name: str, cfg: Config, world: World) -> Transport:
+    """The run's transport (collective: every rank builds it at the same point); the torch
+    engine's is mpi4py (`make_world` refuses the others)."""
+    backend = "mpi4py" if name == "torch" else resolve_backend(cfg.dist.backend)
+    return make_transport(world, backend, cfg.dist.ring_connections)
+
+
+def make_reducer(name: str, cfg: Config, transport: Transport):
     """The data-plane sum of this engine's gradient arrays across ranks (`sync/grad.py`'s
-    `all_sum` contract); the data-parallel strategy holds it and never asks which it is."""
-    if world.size > 1 and name == "torch":
+    `all_sum` contract) over `transport`; the data-parallel strategy holds it and never asks
+    which it is."""
+    if transport.size > 1 and name == "torch":
         from ..sync.torch_grad import TorchGradSync
 
-        return TorchGradSync(world, cfg.dist.bucket_mb, cfg.dist.wire_dtype, cfg.dist.overlap)
-    if world.size > 1:
-        from ..cluster.collective import make_collective
+        return TorchGradSync(transport, cfg.dist.bucket_mb, cfg.dist.wire_dtype, cfg.dist.overlap)
+    if transport.size > 1:
         from ..sync.grad import GradSync
 
-        collective = make_collective(world, resolve_backend(cfg.dist.backend), cfg.dist.ring_connections)
-        return GradSync(collective, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
+        return GradSync(transport, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
     from ..sync.reducer import Unreduced
 
     return Unreduced()

@@ -37,8 +37,8 @@ def _excepthook(kind, value, tb) -> None:
         sys.stderr.flush()
         os._exit(2)
     _previous_hook(kind, value, tb)
-    if _SESSION is not None and _SESSION.size > 1 and _SESSION.world.comm is not None:
-        _SESSION.world.comm.Abort(1)
+    if _SESSION is not None and _SESSION.size > 1:
+        _SESSION.world.end_job(1)
 
 
 _previous_hook = sys.excepthook

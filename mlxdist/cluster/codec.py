@@ -1,6 +1,15 @@
-"""Wire formats for DiLoCo's outer pseudo-gradients: fp32, bf16, and blockwise int8/int4.
+"""What goes on the wire, one module for every exchange: fp32, bf16, fp16, and blockwise
+int8/int4 with error feedback, in one registry (`CODECS`, `make_codec`).
 
-A pseudo-gradient crosses the slow link once per H inner steps, so its size on the wire
+Two kinds, told apart by `summable`. fp32/bf16/fp16 can be summed hop by hop on the wire
+(the transport's all-reduce and reduce-scatter add them as they pass, the ring rounding
+each hop's sum to the wire dtype): data parallel on both engines and sharding send their
+gradients so (`dist.wire_dtype`), through `to_wire`/`from_wire`. int8/int4 cannot: their
+payloads are all-gathered as bytes and every rank decodes and sums them (DiLoCo's
+`dist.outer_wire`, through `encode`/`decode`). bfloat16 travels as its uint16 bit patterns
+(numpy has no bfloat16); the transport sums uint16 buffers as bfloat16.
+
+A DiLoCo pseudo-gradient crosses the slow link once per H inner steps, so its size on the wire
 is what DiLoCo trades against; it is also noise-tolerant (an average of many steps), which
 is why Streaming DiLoCo sends it in 4 bits. Quantized codecs keep an error-feedback
 residual: what rounding dropped this time is added to the next payload, so the sum of
@@ -45,6 +54,16 @@ class Codec:
 
     name = "float32"
     lossy = False
+    summable = True  # the transport may add payloads hop by hop (`to_wire` buffers)
+    wire_dtype: np.dtype = np.dtype(np.float32)  # what `to_wire` returns (uint16: bfloat16 bits)
+
+    def to_wire(self, x: np.ndarray) -> np.ndarray:
+        """fp32 values as the summable wire buffer (no copy for fp32)."""
+        return np.asarray(x, np.float32)
+
+    def from_wire(self, buf: np.ndarray) -> np.ndarray:
+        """A summed wire buffer back to fp32 (no copy for fp32)."""
+        return buf.astype(np.float32, copy=False)
 
     def nbytes(self, n: int) -> int:
         return 4 * n
@@ -64,6 +83,13 @@ class Codec:
 class BF16Codec(Codec):
     name = "bfloat16"
     lossy = True
+    wire_dtype = np.dtype(np.uint16)
+
+    def to_wire(self, x: np.ndarray) -> np.ndarray:
+        return bf16_bits(x)
+
+    def from_wire(self, buf: np.ndarray) -> np.ndarray:
+        return bf16_to_f32(buf)
 
     def nbytes(self, n: int) -> int:
         return 2 * n
@@ -86,6 +112,30 @@ class BF16Codec(Codec):
         return dst
 
 
+class FP16Codec(Codec):
+    name = "float16"
+    lossy = True
+    wire_dtype = np.dtype(np.float16)
+
+    def nbytes(self, n: int) -> int:
+        return 2 * n
+
+    def to_wire(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x).astype(np.float16)
+
+    def encode(self, x: np.ndarray, residual: np.ndarray | None = None, consume: bool = False) -> np.ndarray:
+        y = _with_residual(x, residual, consume)
+        half = y.astype(np.float16)
+        if residual is not None:
+            np.subtract(y, half, out=residual)
+        return half.view(np.uint8)
+
+    def decode(self, payload: np.ndarray, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        dst = np.empty(n, np.float32) if out is None else out
+        dst[...] = payload[: 2 * n].view(np.float16)
+        return dst
+
+
 def _with_residual(x: np.ndarray, residual: np.ndarray | None, consume: bool) -> np.ndarray:
     if residual is None:
         return np.asarray(x, np.float32)
@@ -99,6 +149,7 @@ class BlockQuantCodec(Codec):
     (int8, or int4 packed two to a byte). Layout: [scales][codes]."""
 
     lossy = True
+    summable = False  # per-block scales: payloads are all-gathered and decoded, never added
 
     def __init__(self, bits: int):
         if bits not in (4, 8):
@@ -186,11 +237,18 @@ class BlockQuantCodec(Codec):
         return np.repeat(half, BLOCK)[:n]
 
 
-def make_codec(name: str) -> Codec:
-    if name in ("float32", "fp32"):
-        return Codec()
-    if name in ("bfloat16", "bf16"):
-        return BF16Codec()
-    if name in ("int8", "int4"):
-        return BlockQuantCodec(int(name[3:]))
-    raise ValueError(f"dist.outer_wire: unknown wire format '{name}' (float32, bfloat16, int8 or int4)")
+CODECS = {"float32": Codec, "bfloat16": BF16Codec, "float16": FP16Codec,
+          "int8": lambda: BlockQuantCodec(8), "int4": lambda: BlockQuantCodec(4)}
+ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def make_codec(name: str, key: str = "dist.outer_wire", summable: bool = False) -> Codec:
+    """The codec called `name` (`CODECS`); `key` names the setting in errors; `summable`:
+    the exchange adds payloads on the wire, so int8/int4 are refused."""
+    make = CODECS.get(ALIASES.get(name, name))
+    if make is None:
+        raise ValueError(f"{key}: unknown wire format '{name}' ({', '.join(CODECS)})")
+    codec = make()
+    if summable and not codec.summable:
+        raise ValueError(f"{key}={name}: this exchange sums on the wire; use {', '.join(n for n in CODECS if CODECS[n]().summable)}")
+    return codec
