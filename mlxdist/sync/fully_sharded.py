@@ -54,6 +54,7 @@ import numpy as np
 from ..cluster.ring import ring_allgather
 from ..cluster.world import World
 from ..config import Config
+from ..control.run_plan import RunPlan
 from ..engine.base import Engine, StepStats
 from ..tasks.metrics import means
 from .sharded import ShardedDataParallel
@@ -178,9 +179,9 @@ class ExchangeThread:
 class FullyShardedDataParallel(ShardedDataParallel):
     """ZeRO-2 whose weights are sharded too; the model computed stage by stage."""
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str]):
+    def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan):
         stage_names = check_stageable(cfg, world, engine)
-        super().__init__(cfg, world, engine, hosts)
+        super().__init__(cfg, world, engine, plan)
         self.drift_check = False  # one copy of each weight: nothing to drift apart
         index = {n: i for i, n in enumerate(self.names)}
         self.stages = [[index[n] for n in names] for names in stage_names]

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..cluster.world import World
 from ..config import Config
+from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats
 from ..tasks import Batch
@@ -98,19 +99,20 @@ def share_state(world: World, engine: Engine, root: int = 0) -> None:
     engine.set_state(state)
 
 
-def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str]) -> SyncStrategy:
-    if cfg.dist.shard == "weights":
+def make_strategy(cfg: Config, world: World, engine: Engine, reducer, plan: RunPlan) -> SyncStrategy:
+    """The run's strategy; `plan.shard` is dist.shard as resolved (`auto` never reaches here)."""
+    if plan.shard == "weights":
         from .fully_sharded import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(cfg, world, engine, hosts)
-    if cfg.dist.shard in ("optimizer", "gradients"):  # "auto" is resolved before (resolve_shard)
+        return FullyShardedDataParallel(cfg, world, engine, plan)
+    if plan.shard in ("optimizer", "gradients"):
         from .sharded import ShardedDataParallel
 
-        return ShardedDataParallel(cfg, world, engine, hosts)
+        return ShardedDataParallel(cfg, world, engine, plan)
     if cfg.dist.mode == "diloco":
         from .diloco_strategy import DiLoCoStrategy
 
-        return DiLoCoStrategy(cfg, world, engine, hosts)
+        return DiLoCoStrategy(cfg, world, engine, list(plan.hosts))
     from .data_parallel import DataParallel
 
     return DataParallel(world, reducer)

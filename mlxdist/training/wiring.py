@@ -21,19 +21,20 @@ def make_world(name: str, cfg: Config, device: str = "auto") -> World:
     return init_world(resolve_backend(cfg.dist.backend))
 
 
-def make_reducer(name: str, cfg: Config, world: World):
+def make_reducer(name: str, cfg: Config, world: World, wire: str):
     """The data-plane sum of this engine's gradient arrays across ranks (`sync/grad.py`'s
-    `all_sum` contract); the data-parallel strategy holds it and never asks which it is."""
+    `all_sum` contract), `wire` the run plan's gradient wire; the data-parallel strategy holds
+    it and never asks which it is."""
     if world.size > 1 and name == "torch":
         from ..sync.torch_grad import TorchGradSync
 
-        return TorchGradSync(world, cfg.dist.bucket_mb, cfg.dist.wire_dtype, cfg.dist.overlap)
+        return TorchGradSync(world, cfg.dist.bucket_mb, wire, cfg.dist.overlap)
     if world.size > 1:
         from ..cluster.collective import make_collective
         from ..sync.grad import GradSync
 
         collective = make_collective(world, resolve_backend(cfg.dist.backend), cfg.dist.ring_connections)
-        return GradSync(collective, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
+        return GradSync(collective, cfg.dist.bucket_mb, wire)
     from ..sync.reducer import Unreduced
 
     return Unreduced()
