@@ -16,11 +16,10 @@ generator reseeded, gives another loss after other batches ran).
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import types
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -159,8 +158,8 @@ def check_task(task: Task, engine: str = "mlx", device: str = "auto", config: Co
     from .engine import make_engine
 
     task = checked(task, "check_task(task)")
-    cfg = copy.deepcopy(config) if config is not None else Config()
-    cfg.model.dtype = "float32"
+    base = config if config is not None else Config()
+    cfg = replace(base, model=replace(base.model, dtype="float32"))
     n = sum(split)
     idx = StreamIndices(np.arange(n) % len(task.dataset), np.arange(n), cfg.train.seed)  # stream positions 0..n-1
     problem = data_problem(task, idx)

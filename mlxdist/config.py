@@ -37,7 +37,23 @@ def _help(text: str) -> dict:
     return _range(help=text)
 
 
-@dataclass
+def _read_only(self: Any, name: str, value: Any = None) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"config: {type(self).__name__}.{name} is read-only: a config is never written after loading; build a "
+        "variant (dataclasses.replace, or load_config with key=value overrides), and put what a run decides at "
+        "start in its plan (control/run_plan.py)")
+
+
+def _settings(cls: type) -> type:
+    """A frozen dataclass whose writes fail with a line that says what to do instead: every
+    component reads one config, so a write in one would silently change what the others see."""
+    cls = dataclass(frozen=True)(cls)
+    cls.__setattr__ = _read_only  # type: ignore[method-assign, assignment]
+    cls.__delattr__ = _read_only  # type: ignore[method-assign, assignment]
+    return cls
+
+
+@_settings
 class ModelConfig:
     """The built-in language model: a preset (sizes overridable) or a pretrained one."""
 
@@ -57,7 +73,7 @@ class ModelConfig:
     quantize: int | None = field(default=None, metadata=_range(choices=(4, 8), help="QLoRA: quantize the base to N bits"))
 
 
-@dataclass
+@_settings
 class FinetuneConfig:
     """Full training or adapters (LoRA/DoRA) on model.path."""
 
@@ -70,7 +86,7 @@ class FinetuneConfig:
     train_norms: bool = False
 
 
-@dataclass
+@_settings
 class DataConfig:
     """The built-in LM's data (a task brings its own)."""
 
@@ -85,7 +101,7 @@ class DataConfig:
     pack: bool = field(default=False, metadata=_help("jsonl: pack short examples into full windows"))
 
 
-@dataclass
+@_settings
 class TrainConfig:
     """Optimisation and the run's cadence."""
 
@@ -115,11 +131,11 @@ class TrainConfig:
     seed: int = field(default=0, metadata=_range(0))
     out_dir: str = "runs/default"
     progress: bool = True
-    # A comma-separated string or a YAML list, so `Any`; validate() checks and normalises it.
+    # A comma-separated string or a YAML list, so `Any`; validate() checks it, load_config normalises it.
     report_to: Any = field(default="none", metadata={"help": "rank 0 also logs to: tensorboard,wandb,mlflow"})
 
 
-@dataclass
+@_settings
 class CheckpointConfig:
     """When and how checkpoints are written, kept and resumed."""
 
@@ -137,7 +153,7 @@ class CheckpointConfig:
     on_every_host: bool = field(default=False, metadata=_help("every host also keeps a verified copy (replicas/HOST)"))
 
 
-@dataclass
+@_settings
 class NodeConfig:
     """Per host (`nodes: {HOST|rankN|default: ...}`): that host's share of each step."""
 
@@ -145,7 +161,7 @@ class NodeConfig:
     memory_target: float | None = field(default=None, metadata=_range(0.05, 1.0))
 
 
-@dataclass
+@_settings
 class DistConfig:
     """How ranks exchange gradients (ddp) or weights (diloco)."""
 
@@ -179,7 +195,7 @@ class DistConfig:
     overlap_alpha: float = field(default=0.5, metadata=_range(0.0, 1.0))
 
 
-@dataclass
+@_settings
 class ControlConfig:
     """Adaptive controllers: batch size by memory, balancing, health, plateau."""
 
@@ -202,7 +218,7 @@ class ControlConfig:
     rollback_lr_scale: float = field(default=0.5, metadata=_range(0.0, 1.0))
 
 
-@dataclass
+@_settings
 class TaskConfig:
     """Your own model, loss and data (unset: the built-in LM)."""
 
@@ -210,7 +226,7 @@ class TaskConfig:
     args: dict[str, Any] = field(default_factory=dict, metadata=_help("keyword arguments of the factory"))
 
 
-@dataclass
+@_settings
 class MetricsConfig:
     """Prometheus endpoint on every rank (port + local rank; 0: off)."""
 
@@ -218,7 +234,7 @@ class MetricsConfig:
     bind: str = "0.0.0.0"
 
 
-@dataclass
+@_settings
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
@@ -230,9 +246,15 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
+    # What loading noticed (logged once by the trainer) and the dotted keys the file and the
+    # overrides set (a task's run refuses the built-in LM's keys it would ignore). Not keys of
+    # the schema: a YAML file cannot set them, and `to_dict` leaves them out.
+    warnings: tuple[str, ...] = field(default=(), compare=False, metadata={"loaded": True})
+    explicit: frozenset[str] = field(default=frozenset(), compare=False, metadata={"loaded": True})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        whole = dataclasses.asdict(self)
+        return {f.name: whole[f.name] for f in schema_fields(Config)}
 
     def node_key(self, host: str, rank: int | None = None) -> str | None:
         """The `nodes:` key that applies to this rank, or None (then `train.batch_size`).
@@ -259,10 +281,14 @@ class Config:
         return keys.get("default")
 
     def node_for(self, host: str, rank: int | None = None) -> NodeConfig:
-        """Settings of the `nodes:` entry for this rank (`node_key`); with none,
-        `train.batch_size`."""
+        """Settings of the `nodes:` entry for this rank (`node_key`), both filled in: with no
+        entry, `train.batch_size`; with no memory_target, `control.memory_target`. The one
+        reading of `nodes:` (the run plan, the planner and your loop's shares call it)."""
         key = self.node_key(host, rank)
-        return self.nodes[key] if key is not None else NodeConfig(batch_size=self.train.batch_size)
+        node = self.nodes[key] if key is not None else NodeConfig(batch_size=self.train.batch_size)
+        if node.memory_target is None:
+            node = dataclasses.replace(node, memory_target=self.control.memory_target)
+        return node
 
     def unmatched_nodes_warning(self, hosts: Sequence[str]) -> str | None:
         """With `nodes:` set, the warning to print at start when a host (of `hosts`, one per
@@ -344,8 +370,13 @@ def _check_range(f: dataclasses.Field, value: Any, where: str) -> None:
 DEPRECATED = {"model.checkpoint_every": "model.grad_checkpoint_every"}
 
 
+def schema_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields a YAML file may set (not what loading adds: `Config.warnings`, `explicit`)."""
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("loaded")]
+
+
 def _build(cls: type, data: dict, where: str, warnings: list[str] | None = None) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in schema_fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
@@ -414,15 +445,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         cfg = _build(Config, data, "", warnings)
         validate(cfg)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, report_to=",".join(report_to_names(cfg.train.report_to)) or "none"))
     except ConfigError as e:
         src = source if not overrides else f"{source} + overrides"
         raise ConfigError(f"{src}: {e}") from None
     if cfg.checkpoint.zstd_level != CheckpointConfig.zstd_level:
         warnings.append("checkpoint.zstd_level is no longer used: checkpoints are plain safetensors "
                         "(memory-mappable; zstd saved 7% at 3-7x the write time); remove the key")
-    cfg.warnings = warnings  # logged once by the trainer
-    cfg.explicit = set_keys(data)  # a task's run refuses the built-in LM's keys it would ignore
-    return cfg
+    return dataclasses.replace(cfg, warnings=tuple(warnings), explicit=frozenset(set_keys(data)))
 
 
 def set_keys(data: dict, prefix: str = "") -> set[str]:
@@ -483,7 +514,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("control.min_batch: must not exceed control.max_batch")
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
         raise ConfigError(f"checkpoint.resume: '{cfg.checkpoint.resume}' does not exist (use 'auto', 'none' or a checkpoint dir)")
-    cfg.train.report_to = ",".join(report_to_names(cfg.train.report_to)) or "none"
+    report_to_names(cfg.train.report_to)  # load_config writes the normalised names into the config it builds
     if cfg.train.ema is not None and not 0.0 < cfg.train.ema < 1.0:
         raise ConfigError(f"train.ema: {cfg.train.ema} is the EMA's decay and must lie strictly between 0 and 1 "
                           "(e.g. 0.999), or null for none")
@@ -548,7 +579,7 @@ def describe_keys(cls: type = Config, prefix: str = "") -> list[str]:
     `--help` cannot fall behind the schema."""
     lines: list[str] = []
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in schema_fields(cls):
         tp, key = hints[f.name], f"{prefix}{f.name}"
         if dataclasses.is_dataclass(tp):
             lines += [f"{key}:  {tp.__doc__}", *describe_keys(tp, key + ".")]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -295,7 +295,7 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike, factory: str,
     except ConfigError as e:
         raise TaskExportError(f"{loaded.path}: its saved config does not read: {e}") from None
     if args is not None:
-        cfg.task.args = dict(args)  # build(ctx) sees the args its factory was called with
+        cfg = replace(cfg, task=replace(cfg.task, args=dict(args)))  # build(ctx) sees them
     try:
         task = task_from_factory(factory, dict(cfg.task.args))
     except ConfigError as e:  # TaskError is one

@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +125,7 @@ def mlx_model_from_path(model_path: str | Path, adapter: str | None = None):
 def _for_generation(cfg: Config) -> Config:
     """Training-only settings off: mlx-lm's gradient checkpointing patches the layer class,
     which has no business in a KV-cached decode."""
-    cfg.model.grad_checkpoint_every = 0
-    return cfg
+    return replace(cfg, model=replace(cfg.model, grad_checkpoint_every=0))
 
 
 def mlx_model_from_checkpoint(cfg: Config, weights: dict):

@@ -111,3 +111,39 @@ def test_cli_overrides_and_options_mix():
 
     a = parse_args(["train.steps=3", "--resume", "auto", "train.lr=1e-3", "--engine", "torch"])
     assert a.overrides == ["train.steps=3", "train.lr=1e-3"] and a.resume == "auto" and a.engine == "torch"
+
+
+def test_a_loaded_config_is_never_written():
+    """Every component reads the one config: a write raises with what to do instead, on the
+    sections and on the tree; a variant is built (dataclasses.replace), the original unchanged."""
+    import dataclasses
+
+    cfg = load_config(None, ["train.steps=7", "train.report_to=[]"])
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"TrainConfig.steps is read-only.*dataclasses.replace"):
+        cfg.train.steps = 8
+    with pytest.raises(dataclasses.FrozenInstanceError, match="Config.dist is read-only"):
+        cfg.dist = cfg.dist
+    with pytest.raises(dataclasses.FrozenInstanceError, match="DistConfig.shard is read-only"):
+        del cfg.dist.shard
+    longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=8))
+    assert (cfg.train.steps, longer.train.steps) == (7, 8) and longer.explicit == cfg.explicit
+    assert cfg.train.report_to == "none"  # normalised while loading, before the config is handed out
+
+
+def test_what_loading_noticed_is_declared_not_a_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  checkpoint_every: 2\ntrain:\n  steps: 3\n")
+    cfg = load_config(p, ["nodes.studio.batch_size=4"])
+    assert cfg.explicit == {"model.checkpoint_every", "train.steps", "nodes"}
+    assert len(cfg.warnings) == 1 and "'model.checkpoint_every' is deprecated" in cfg.warnings[0]
+    assert "warnings" not in cfg.to_dict() and "explicit" not in cfg.to_dict()
+    with pytest.raises(ConfigError, match="unknown key 'warnings'"):
+        load_config(None, ["warnings=[x]"])
+
+
+def test_node_for_fills_both_fallbacks():
+    cfg = load_config(None, ["nodes.studio.batch_size=32", "nodes.studio.memory_target=0.5",
+                             "nodes.air.batch_size=4", "control.memory_target=0.7", "train.batch_size=6"])
+    assert (cfg.node_for("studio").batch_size, cfg.node_for("studio").memory_target) == (32, 0.5)
+    assert (cfg.node_for("air").batch_size, cfg.node_for("air").memory_target) == (4, 0.7)
+    assert (cfg.node_for("other").batch_size, cfg.node_for("other").memory_target) == (6, 0.7)

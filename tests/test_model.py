@@ -1,5 +1,7 @@
 """The MLX model and engine: presets, activation checkpointing, mixed precision."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -19,10 +21,7 @@ def test_preset_sizes_are_what_their_names_say():
 def _engine(**model):
     from mlxdist.engine.mlx_engine import MLXEngine
 
-    cfg = Config()
-    for k, v in model.items():
-        setattr(cfg.model, k, v)
-    return MLXEngine(cfg)
+    return MLXEngine(dataclasses.replace(Config(), model=dataclasses.replace(Config().model, **model)))
 
 
 def _grads(engine, tokens):

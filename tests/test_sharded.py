@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST, assert_same_weights, final_weights, run_train
+from helpers import FAST, assert_same_weights, env, final_weights, mpirun_path, run_train
 
-from mlxdist.control.split import proportional_split
+from mlxdist.control.split import proportional_split, shard_bounds
 from mlxdist.state import checkpoint as ckpt
-from mlxdist.sync.sharded import bucket_counts, shard_bounds
+from mlxdist.sync.sharded import bucket_counts
 
 HERE = Path(__file__).parent
 TASK = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "train.warmup_steps=0",
@@ -61,6 +63,7 @@ def test_shards_are_contiguous_and_sized_by_budget():
     assert shard_bounds(10, [0.0, 0.0]) == [(0, 5), (5, 10)]  # no reading: equal shares
     bounds = shard_bounds(195, [128e9 * 0.85, 16e9 * 0.85, 16e9 * 0.85])
     assert [b - a for a, b in bounds] == proportional_split(195, [8, 1, 1]) and bounds[-1][1] == 195
+    assert shard_bounds(10, [3.0, 1.0], "equal") == [(0, 5), (5, 10)]  # dist.shard_split=equal
     for lo, hi in ((0, 100), (150, 900), (790, 810), (999, 1000)):
         counts = bucket_counts([(0, 800), (800, 1000)], lo, hi)
         assert sum(counts) == hi - lo and min(counts) >= 0
@@ -76,11 +79,12 @@ def test_sharding_reads_the_engines_capability_record():
     from mlxdist.sync.sharded import ShardedDataParallel
 
     cfg, world = load_config(None, ["dist.shard=optimizer"]), SimpleNamespace(agreed_error=ConfigError)
-    ShardedDataParallel.check(cfg, world, SimpleNamespace(capabilities=Capabilities("t")))  # mlxdist's AdamW
+    plan = SimpleNamespace(shard="optimizer")
+    ShardedDataParallel.check(cfg, world, SimpleNamespace(capabilities=Capabilities("t")), plan)  # mlxdist's AdamW
     with pytest.raises(ConfigError, match="brings its own optimizer"):
-        ShardedDataParallel.check(cfg, world, SimpleNamespace(capabilities=Capabilities("t", own_optimizer=True)))
+        ShardedDataParallel.check(cfg, world, SimpleNamespace(capabilities=Capabilities("t", own_optimizer=True)), plan)
     with pytest.raises(ConfigError, match="scales the loss"):
-        ShardedDataParallel.check(cfg, world, SimpleNamespace(capabilities=Capabilities("t", loss_scaling=True)))
+        ShardedDataParallel.check(cfg, world, SimpleNamespace(capabilities=Capabilities("t", loss_scaling=True)), plan)
 
 
 def test_torch_shard_update_is_the_engines_own_adamw_bit_for_bit():
@@ -309,5 +313,43 @@ def test_auto_takes_the_least_sharding_that_fits_every_rank_or_stops_before_step
     assert expect in r.stderr, r.stderr[-3000:]
     if code == 0:
         assert "sharded data parallel, ZeRO-1 (dist.shard=optimizer)" in r.stderr
+        assert "shard: auto" in (tmp_path / "config.yaml").read_text()  # the config as given; the choice is the plan's
     else:
         assert not (tmp_path / "checkpoints").exists() and r.stderr.count("error:") == 1
+
+
+PLAN_SCRIPT = """
+import dataclasses, json, sys
+from mlxdist.config import load_config
+from mlxdist.training.loop import Trainer
+cfg = load_config(None, sys.argv[1:])
+before = (dataclasses.asdict(cfg), cfg.warnings, cfg.explicit)
+trainer = Trainer(cfg)
+trainer.run()
+p = trainer.run_plan
+if trainer.world.is_main:
+    print("PLAN " + json.dumps({"same": (dataclasses.asdict(cfg), cfg.warnings, cfg.explicit) == before,
+                               "configured": cfg.dist.shard, "shard": p.shard, "bounds": p.shard_bounds,
+                               "strategy": trainer.sync.bounds, "trained": int(sum(trainer.engine.gradient_sizes())),
+                               "micro": p.micro_batches, "hosts": p.hosts, "vocab": p.vocab_size, "wire": p.wire_dtype}))
+"""
+
+
+@pytest.mark.cluster
+def test_auto_is_resolved_into_the_run_plan_and_the_config_is_unchanged_by_a_run(tmp_path):
+    """Two real ranks, dist.shard=auto on a 22 MB limit (ZeRO-1 fits, data parallel does not):
+    the plan holds the choice and the split the strategy trains with; the config is as loaded."""
+    script = tmp_path / "plan_run.py"
+    script.write_text(PLAN_SCRIPT)
+    cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH",
+           "-x", "OPENBLAS_NUM_THREADS", "-x", "MLXDIST_MEMORY_LIMIT_BYTES", sys.executable, str(script),
+           *FAST, "train.batch_size=4", "train.steps=2", "dist.shard=auto", "nodes.rank1.batch_size=2",
+           f"train.out_dir={tmp_path / 'run'}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE,
+                       env=env() | {"MLXDIST_MEMORY_LIMIT_BYTES": "22000000"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("PLAN "))[5:])
+    assert got["same"] and got["configured"] == "auto" and got["shard"] == "optimizer", got
+    half = (got["trained"] + 1) // 2  # equal budgets: equal shards, the odd element to rank 0
+    assert got["bounds"] == got["strategy"] == [[0, half], [half, got["trained"]]], got
+    assert got["micro"] == [4, 2] and len(got["hosts"]) == 2 and got["vocab"] == 258 and got["wire"] == "float32"

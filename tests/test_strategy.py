@@ -13,6 +13,7 @@ import pytest
 from helpers import assert_same_weights, env, final_weights
 
 from mlxdist.config import ConfigError, load_config
+from mlxdist.control.run_plan import build_run_plan, rank_nodes
 from mlxdist.engine.base import Capabilities
 from mlxdist.sync.strategy import (
     STRATEGIES,
@@ -25,6 +26,12 @@ from mlxdist.sync.strategy import (
 
 HERE = Path(__file__).parent
 WORLD = SimpleNamespace(agreed_error=ConfigError, size=1, rank=0)
+
+
+def plan_of(cfg):
+    """A one-rank run plan with the config's dist.shard as resolved."""
+    return build_run_plan(cfg, 0, rank_nodes(cfg, ["h"]), ["h"], [0], shard=cfg.dist.shard, n_trained=10,
+                          vocab_size=None)
 
 
 @pytest.mark.parametrize("overrides, name, cls", [
@@ -59,7 +66,7 @@ def test_a_strategy_is_registered_once_and_an_unknown_name_lists_the_known():
 def test_the_chooser_runs_the_strategys_own_check_with_todays_message():
     cfg = load_config(None, ["dist.shard=optimizer", "dist.mode=diloco"])
     with pytest.raises(ConfigError, match="dist.mode=diloco keeps each rank's own optimizer: set dist.shard=none"):
-        make_strategy(cfg, WORLD, SimpleNamespace(capabilities=Capabilities("t")), None, ["h"], None)
+        make_strategy(cfg, WORLD, SimpleNamespace(capabilities=Capabilities("t")), None, plan_of(cfg), None)
 
 
 def test_a_subclass_writes_only_the_hooks_it_changes():
@@ -81,7 +88,7 @@ def test_mlx_engines_declare_what_they_can_do_and_sharding_reads_it():
     assert own.capabilities == Capabilities(task.name, own_optimizer=True)
     with pytest.raises(ConfigError, match=r"dist.shard=gradients shards mlxdist's AdamW; this task brings its own "
                                           r"optimizer \(Task.optimizer\): drop it or set dist.shard=none"):
-        make_strategy(cfg, WORLD, own, None, ["h"], None)
+        make_strategy(cfg, WORLD, own, None, plan_of(cfg), None)
     plain, staged = MLXEngine(cfg, task=mlx_mlp()).capabilities, MLXEngine(cfg, task=mlx_staged_mlp()).capabilities
     assert (plain.own_optimizer, plain.staged, staged.staged, staged.loss_scaling) == (False, False, True, False)
 
@@ -100,7 +107,7 @@ def test_torch_engines_declare_what_they_can_do_and_sharding_reads_it():
     half = TorchEngine(load_config(None, ["dist.shard=optimizer", "model.dtype=float16"]), "cpu", task=torch_mlp())
     assert half.capabilities.loss_scaling
     with pytest.raises(ConfigError, match=r"scales the loss \(GradScaler\), which the sharded update does not undo"):
-        make_strategy(cfg, WORLD, half, None, ["h"], None)
+        make_strategy(cfg, WORLD, half, None, plan_of(cfg), None)
 
 
 SCRIPT = """

@@ -33,9 +33,7 @@ def _tokens(b: int, t: int, vocab: int, seed: int) -> np.ndarray:
 
 
 def _cfg(**train) -> Config:
-    cfg = Config()
-    cfg.train = dataclasses.replace(cfg.train, **train)
-    return cfg
+    return dataclasses.replace(Config(), train=dataclasses.replace(Config().train, **train))
 
 
 @pytest.fixture(autouse=True)
@@ -273,8 +271,7 @@ def test_torch_ranks_refuse_an_mlx_backend() -> None:
     from mlxdist.config import ConfigError
     from mlxdist.training.wiring import make_world
 
-    cfg = _cfg()
-    cfg.dist.backend = "mlx-ring"
+    cfg = dataclasses.replace(_cfg(), dist=dataclasses.replace(_cfg().dist, backend="mlx-ring"))
     with pytest.raises(ConfigError, match="dist.backend=mlx-ring: the torch engine sums its gradients over mpi4py"):
         make_world("torch", cfg, "cpu")
 

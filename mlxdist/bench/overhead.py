@@ -6,6 +6,7 @@ computes neither the task's metrics nor an average of the weights."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -55,9 +56,7 @@ def _trainer_steps(cfg, steps: int) -> list[float]:
     from ..train import train
 
     with tempfile.TemporaryDirectory() as d:
-        cfg.train.out_dir = d
-        cfg.train.steps = steps
-        train(cfg, "mlx")
+        train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=d, steps=steps)), "mlx")
         events = [json.loads(line) for line in (Path(d) / "logs" / "rank0.jsonl").read_text().splitlines()]
     return [e["step_s"] for e in events if e["event"] == "step"]
 

@@ -40,7 +40,7 @@ class Controllers:
     collective = True  # its checkpoint state gathers every rank's batch size
 
     @classmethod
-    def build(cls, cfg: Config, plan: StepPlan, my_micro: int, memory_target: float | None,
+    def build(cls, cfg: Config, plan: StepPlan, my_micro: int, memory_target: float,
               world_size: int, rank: int = 0, gather: Callable[[Any], list[Any]] = lambda x: [x]) -> Controllers:
         c, t = cfg.control, cfg.train
         accum = AccumulationController(plan.global_batch, t.max_accum)
@@ -54,7 +54,7 @@ class Controllers:
             balancer=LoadBalancer(plan.global_batch, world_size, hysteresis=c.balance_hysteresis,
                                   interval=c.balance_interval, initial_shares=plan.shares),
             batch=BatchSizeController(my_micro, min(c.min_batch, my_micro), max(c.max_batch, my_micro),
-                                      target_fraction=memory_target or c.memory_target),
+                                      target_fraction=memory_target),
             accum=accum,
             plan=plan,
             rank=rank,

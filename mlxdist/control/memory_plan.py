@@ -84,7 +84,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .split import proportional_split
+from .split import shard_bounds
 
 MODES = ("none", "optimizer", "gradients", "weights")
 MODE_NAMES = {"none": "data parallel", "optimizer": "ZeRO-1", "gradients": "ZeRO-2", "weights": "ZeRO-3"}
@@ -356,20 +356,17 @@ def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: i
          gather_params: int = 0, staged_act_per_sample: int | None = None) -> Plan:
     """The plan for ranks on `hosts` ((host name, memory limit in bytes), one per rank in rank
     order): memory_target and micro-batch per rank from the config as the trainer reads them
-    (`nodes:`), bytes from `estimate`, shards by `proportional_split` of the parameters by
-    budget. `act_per_sample` None: activations are not counted (a note says so)."""
+    (`Config.node_for`), bytes from `estimate`, shards by `split.shard_bounds` (the split the
+    sharded strategies train with). `act_per_sample` None: activations are not counted (a note says so)."""
     if not hosts:
         raise ValueError("plan: no ranks")
     if n_params < 1:
         raise ValueError("plan: the model has no parameters")
-    ranks = []
-    for i, (host, memory) in enumerate(hosts):
-        node = cfg.node_for(host, i)
-        micro = node.batch_size if cfg.nodes else cfg.train.batch_size
-        ranks.append(RankMemory(i, host, int(memory), node.memory_target or cfg.control.memory_target, micro))
-    budgets = [float(r.memory) * r.target for r in ranks]  # as sync/sharded.py weighs its shard_bounds
-    equal = getattr(cfg.dist, "shard_split", "memory") == "equal" or sum(budgets) <= 0
-    shard_sizes = proportional_split(n_params, [1.0] * len(ranks) if equal else budgets)
+    nodes = [cfg.node_for(host, i) for i, (host, _) in enumerate(hosts)]
+    ranks = [RankMemory(i, host, int(memory), node.memory_target, node.batch_size)
+             for i, ((host, memory), node) in enumerate(zip(hosts, nodes, strict=True))]
+    budgets = [float(r.memory) * r.target for r in ranks]
+    shard_sizes = [b - a for a, b in shard_bounds(n_params, budgets, cfg.dist.shard_split)]
     needs = {m: [estimate(n_params, m, s / n_params, r.micro_batch, act_per_sample, cfg.model.dtype,
                           gather_params=gather_params, ranks=len(ranks), writer=r.rank == 0,
                           staged_activation_bytes_per_sample=staged_act_per_sample)

@@ -45,6 +45,19 @@ def proportional_split(total: int, weights: list[float], minimum: int = 1) -> li
     return shares
 
 
+def shard_bounds(total: int, budgets: list[float], split: str = "memory") -> list[tuple[int, int]]:
+    """[a_r, b_r) of each rank's shard of `total` elements: contiguous ranges in rank order,
+    sized by `budgets` (`dist.shard_split=memory`) or equal (`equal`, or a budget unknown: not
+    finite, negative, or all zero). The one split the sharded strategies train with and the
+    memory plan counts."""
+    known = sum(budgets) > 0 and all(math.isfinite(b) and b >= 0 for b in budgets)
+    weights = list(budgets) if split == "memory" and known else [1.0] * len(budgets)
+    starts = [0]
+    for size in proportional_split(total, weights, minimum=1):
+        starts.append(starts[-1] + size)
+    return [(starts[r], starts[r + 1]) for r in range(len(weights))]
+
+
 def accumulation_steps(share: list[int], micro: list[int]) -> list[int]:
     """Micro-batches each rank needs this step (0 for a rank with no samples)."""
     if len(share) != len(micro):

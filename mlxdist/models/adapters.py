@@ -151,11 +151,11 @@ def read_peft(path: str | Path) -> tuple[dict[str, np.ndarray], FinetuneConfig]:
         raise ValueError(f"{p}: no adapter_model.safetensors (convert .bin adapters with PEFT first)")
     state = from_peft_tensors(load_file(str(weights)))
     layers = _layers(state)
+    last = {"layers": len(layers)} if conf.get("layers_to_transform") else {}  # else the default
     cfg = FinetuneConfig(method="dora" if conf.get("use_dora") else "lora", rank=int(conf["r"]),
                          alpha=float(conf["lora_alpha"]), dropout=float(conf.get("lora_dropout", 0.0)),
-                         targets=",".join(conf["target_modules"]), train_norms=bool(conf.get("modules_to_save")))
-    if conf.get("layers_to_transform"):
-        cfg.layers = len(layers)
+                         targets=",".join(conf["target_modules"]), train_norms=bool(conf.get("modules_to_save")),
+                         **last)
     return state, cfg
 
 

@@ -30,8 +30,8 @@ class BuiltModel:
 
 
 def inspect_base(cfg: Config):
-    """The pretrained base's facts (None for a preset), read before any framework loads:
-    its vocabulary replaces `model.vocab_size`, so data checks compare against the real one."""
+    """The pretrained base's facts (None for a preset), read before any framework loads: its
+    vocabulary is the run's (`lm_vocab_size`), so data checks compare against the real one."""
     if not cfg.model.path:
         if cfg.finetune.method != "full":
             raise ConfigError(f"finetune.method={cfg.finetune.method}: adapters need a pretrained base; "
@@ -48,8 +48,12 @@ def inspect_base(cfg: Config):
     if cfg.model.quantize and cfg.finetune.method == "full":
         raise ConfigError("model.quantize: a quantized base cannot be trained in full; "
                           "set finetune.method=lora (QLoRA) or drop model.quantize")
-    cfg.model.vocab_size = info.vocab_size
     return info
+
+
+def lm_vocab_size(cfg: Config, base: Any) -> int:
+    """The built-in LM's vocabulary: a pretrained base's own (`inspect_base`), else `model.vocab_size`."""
+    return base.vocab_size if base is not None else cfg.model.vocab_size
 
 
 def _pretrained_summary(info, n_total: int, lora_banner: str | None) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..cluster.world import World
 from ..config import Config
+from ..control.run_plan import RunPlan
 from ..engine.base import Engine, StepStats
 from ..tasks.metrics import means
 from .model_state import StateSync
@@ -13,7 +14,7 @@ from .strategy import Strategy
 
 
 class DataParallel(Strategy):
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None,
+    def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer=None,
                  transport=None):
         self.world, self.reducer = world, reducer
         self.drift_check = world.size > 1

@@ -30,6 +30,7 @@ import numpy as np
 from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config, DistConfig
+from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats, local_step
 from ..state import rank_state
@@ -44,9 +45,9 @@ from .strategy import Strategy
 class DiLoCoStrategy(Strategy):
     """Ranks differ between outer syncs by design: no drift check (`Strategy`'s default)."""
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None,
+    def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer=None,
                  transport: Transport | None = None):
-        self.world, self.hosts, self.dist = world, hosts, cfg.dist
+        self.world, self.hosts, self.dist = world, list(plan.hosts), cfg.dist
         self.meet_every, self.steps = cfg.control.balance_interval, cfg.train.steps
         self.outer = OuterSync(cfg.dist, engine.get_weights(), transport)
         d = cfg.dist

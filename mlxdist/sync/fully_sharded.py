@@ -56,6 +56,7 @@ import numpy as np
 from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
+from ..control.run_plan import RunPlan
 from ..engine.base import Engine, StepStats
 from ..tasks.metrics import means
 from .sharded import ShardedDataParallel
@@ -181,13 +182,13 @@ class FullyShardedDataParallel(ShardedDataParallel):
     """ZeRO-2 whose weights are sharded too; the model computed stage by stage."""
 
     @classmethod
-    def check(cls, cfg: Config, world: World, engine: Engine) -> None:
+    def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
         check_stageable(cfg, world, engine)
-        super().check(cfg, world, engine)
+        super().check(cfg, world, engine, plan)
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None,
+    def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer=None,
                  transport: Transport | None = None):
-        super().__init__(cfg, world, engine, hosts, reducer, transport)
+        super().__init__(cfg, world, engine, plan, reducer, transport)
         stage_names = self.ops.stage_names()
         # ZeRO-3's many small exchanges (a stage at a time) run on the exchange thread.
         self.channel = self.transport.channel(pipelined=True)

@@ -13,11 +13,13 @@ SHARDED_ENGINES = ("mlx", "torch")  # both shard optimizer state and gradients (
 AUTO_ENGINES = ("mlx", "torch")
 
 
-def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], builtin_lm: bool) -> list[str]:
+def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], limits: list[int],
+                  builtin_lm: bool) -> tuple[str, list[str]]:
     """With `dist.shard` set: every rank's bytes under each mode against its budget
     (`control/memory_plan.py`, the table `python -m mlxdist.plan` prints); `auto` becomes the
     least sharding that fits every rank, and a run that fits nowhere stops before step 1 with
-    one line. Every rank decides alike from the gathered limits. Returns the banner lines.
+    one line. Every rank decides alike from the gathered limits (`limits`, one per rank).
+    Returns the mode the run trains with (for the run plan) and the banner lines.
 
     `dist.shard=none` (data parallel) is checked too: where its plan does not fit a rank, one
     warning line says so and what to set, and the run goes on (the plan is an estimate).
@@ -25,30 +27,29 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], b
     unknown (0) are not checked."""
     from ..control.memory_plan import lm_facts, plan
 
-    limits = world.allgather(int(engine.memory().limit))
     n_params = int(sum(engine.gradient_sizes()))
     if cfg.dist.shard == "none" and (cfg.dist.mode == "diloco" or min(limits) <= 0 or n_params < 1):
-        return []
+        return "none", []
     facts = lm_facts(cfg) if builtin_lm else None
     mp = plan(cfg, list(zip(hosts, limits, strict=True)), n_params,
               facts.activation_bytes_per_sample if facts else None, gather_params=facts.gather_params if facts else 0,
               staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None)
     if cfg.dist.shard == "none":
         line = mp.unsharded_warning(can_shard=engine.name in SHARDED_ENGINES, auto=engine.name in AUTO_ENGINES)
-        return [line] if line else []
-    if cfg.dist.shard == "auto":
-        if mp.choice is None:
-            raise world.agreed_error(mp.no_fit_line())
-        built = ("none", "optimizer", "gradients") if engine.name in AUTO_ENGINES else ("none",)
-        if engine.name in AUTO_ENGINES and engine.capabilities.staged:
-            built += ("weights",)  # ZeRO-3 runs a model with stages() (the built-in LM's presets)
-        if mp.choice not in built:
-            raise world.agreed_error(f"{mp.choice_line()}; this model cannot run it (the {engine.name} engine shards "
-                                     f"{' or '.join(built[1:]) or 'nothing yet'} here): lower the micro-batches "
-                                     "(nodes.HOST.batch_size), data.seq_len or the model, or set "
-                                     "model.grad_checkpoint_every")
-        cfg.dist.shard = mp.choice
-    return mp.banner_lines()
+        return "none", [line] if line else []
+    if cfg.dist.shard != "auto":
+        return cfg.dist.shard, mp.banner_lines()
+    if mp.choice is None:
+        raise world.agreed_error(mp.no_fit_line())
+    built = ("none", "optimizer", "gradients") if engine.name in AUTO_ENGINES else ("none",)
+    if engine.name in AUTO_ENGINES and engine.capabilities.staged:
+        built += ("weights",)  # ZeRO-3 runs a model with stages() (the built-in LM's presets)
+    if mp.choice not in built:
+        raise world.agreed_error(f"{mp.choice_line()}; this model cannot run it (the {engine.name} engine shards "
+                                 f"{' or '.join(built[1:]) or 'nothing yet'} here): lower the micro-batches "
+                                 "(nodes.HOST.batch_size), data.seq_len or the model, or set "
+                                 "model.grad_checkpoint_every")
+    return mp.choice, mp.banner_lines()
 
 
 def optimizer_state_bytes(engine: Engine, sync, rank: int) -> int | None:

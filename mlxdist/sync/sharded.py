@@ -4,8 +4,8 @@ engines.
 Every rank computes on its own samples as in data parallel, but AdamW's moments are split:
 the trainable parameters, flattened in the engine's order (in checkpoint layout) into one
 fp32 vector of N elements, are cut into contiguous ranges, rank r owning [a_r, b_r). The
-ranges are sized to each rank's memory budget (`proportional_split` of N by memory limit x
-memory_target, the rank's `nodes:` entry or `control.memory_target`), so a 128 GB Studio
+ranges are sized to each rank's memory budget (memory limit x memory_target: the run plan's
+`shard_bounds`, from `control/split.py`, the split the memory plan counts), so a 128 GB Studio
 holds more of the optimizer state than a 16 GB MacBook. A step:
 
 1. the summed gradients are reduce-scattered (the transport's `reduce_scatter`, unequal ranges,
@@ -73,7 +73,7 @@ from ..cluster.codec import make_codec
 from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
-from ..control.split import proportional_split
+from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
 from ..tasks.metrics import means
@@ -83,9 +83,9 @@ LEVELS = {"optimizer": "ZeRO-1", "gradients": "ZeRO-2", "weights": "ZeRO-3"}
 MB = 2**20
 
 
-def check_shardable(cfg: Config, world: World, engine: Engine) -> None:
-    """One line for what sharding cannot do (yet)."""
-    shard = cfg.dist.shard
+def check_shardable(cfg: Config, world: World, engine: Engine, shard: str | None = None) -> None:
+    """One line for what sharding cannot do (yet); `shard`: the mode as resolved (the run plan's)."""
+    shard = shard or cfg.dist.shard
     if cfg.dist.mode == "diloco":
         raise world.agreed_error(f"dist.shard={shard} shards data parallel's optimizer; dist.mode=diloco keeps "
                              "each rank's own optimizer: set dist.shard=none")
@@ -98,15 +98,6 @@ def check_shardable(cfg: Config, world: World, engine: Engine) -> None:
                                  "or float32, or dist.shard=none")
 
 
-def shard_bounds(total: int, budgets: list[float]) -> list[tuple[int, int]]:
-    """[a_r, b_r) of each rank: contiguous ranges in rank order, sized by `budgets`."""
-    weights = budgets if sum(budgets) > 0 and all(math.isfinite(b) and b >= 0 for b in budgets) \
-        else [1.0] * len(budgets)
-    sizes = proportional_split(total, weights, minimum=1)
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
-    return [(starts[r], starts[r + 1]) for r in range(len(sizes))]
-
-
 def bucket_counts(bounds: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
     """Elements of [lo, hi) each rank owns."""
     return [max(0, min(b, hi) - max(a, lo)) for a, b in bounds]
@@ -117,25 +108,25 @@ class ShardedDataParallel(DataParallel):
     step, rollback, the model's weights in checkpoints) is data parallel's."""
 
     @classmethod
-    def check(cls, cfg: Config, world: World, engine: Engine) -> None:
-        check_shardable(cfg, world, engine)
+    def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
+        check_shardable(cfg, world, engine, plan.shard)
 
-    def __init__(self, cfg: Config, world: World, engine: Engine, hosts: list[str], reducer=None,
+    def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer=None,
                  transport: Transport | None = None):
-        super().__init__(cfg, world, engine, hosts)  # every rank sets the same gathered weights: drift check on
-        self.cfg, self.hosts = cfg, hosts
-        self.level = cfg.dist.shard
+        super().__init__(cfg, world, engine, plan)  # every rank sets the same gathered weights: drift check on
+        self.cfg, self.hosts = cfg, list(plan.hosts)
+        self.level = plan.shard
         self.ops = engine.shard_ops()
         self.names: list[str] = list(self.ops.names)
         self.shapes = dict(zip(self.names, self.ops.shapes, strict=True))  # checkpoint layout
         sizes = [math.prod(self.shapes[n]) for n in self.names]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
         self.total = self.offsets[-1]
-        node = cfg.node_for(world.host, world.rank)
-        target = node.memory_target or cfg.control.memory_target
-        self.budgets = [float(b) for b in world.allgather(float(engine.memory().limit) * target)]
-        self.bounds = shard_bounds(self.total, self.budgets if cfg.dist.shard_split == "memory"
-                                   else [1.0] * world.size)
+        self.bounds = list(plan.shard_bounds)  # control/split.py's shard_bounds, as the memory plan counts
+        if not self.bounds or self.bounds[-1][1] != self.total:
+            split = self.bounds[-1][1] if self.bounds else 0
+            raise RuntimeError(f"dist.shard={self.level}: the run plan splits {split} elements but the engine "
+                               f"trains {self.total}; report this as a bug")
         self.lo, self.hi = self.bounds[world.rank]
         self.counts = [b - a for a, b in self.bounds]
         self.bucket = max(1, int(cfg.dist.bucket_mb * MB / 4))
@@ -145,7 +136,7 @@ class ShardedDataParallel(DataParallel):
         self.t = 0
         self._full: np.ndarray | None = None  # the all-gather's buffer, as data parallel's reducer keeps its own
         self.transport = transport
-        self.wire = cfg.dist.wire_dtype
+        self.wire = plan.wire_dtype
         self.codec = make_codec(self.wire, "dist.wire_dtype", summable=True)
         self.ops.drop_moments(self.t)
 

@@ -23,6 +23,7 @@ import numpy as np
 from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
+from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats
 from ..tasks import Batch
@@ -30,14 +31,14 @@ from ..tasks.metrics import MetricSums
 
 
 class Strategy(ABC):
-    """The loop's contract with a way of training. Built as `cls(cfg, world, engine, hosts,
-    reducer, transport)` after `cls.check(cfg, world, engine)` passed on every rank; `reducer` is the
+    """The loop's contract with a way of training. Built as `cls(cfg, world, engine, plan,
+    reducer, transport)` after `cls.check(cfg, world, engine, plan)` passed on every rank; `reducer` is the
     engine's gradient sum (data parallel's exchange; others may ignore it)."""
 
     drift_check: bool = False  # whether all ranks should hold bit-identical weights after every step
 
     @classmethod
-    def check(cls, cfg: Config, world: World, engine: Engine) -> None:
+    def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
         """Refuse, before anything is built, what this strategy cannot run: one line through
         `world.agreed_error` (every rank decides alike)."""
         return None
@@ -146,12 +147,13 @@ def register(name: str) -> Callable[[S], S]:
     return put
 
 
-def strategy_name(cfg: Config) -> str:
+def strategy_name(cfg: Config, shard: str | None = None) -> str:
     """The registered name a run trains with: a sharded mode (dist.shard, `auto` resolved
     before: `shard_plan.resolve_shard`) whatever dist.mode says (its check refuses what it
     cannot combine with), else dist.mode's strategy."""
-    if cfg.dist.shard in SHARD_NAMES:
-        return SHARD_NAMES[cfg.dist.shard]
+    shard = shard or cfg.dist.shard
+    if shard in SHARD_NAMES:
+        return SHARD_NAMES[shard]
     return "data_parallel" if cfg.dist.mode == "ddp" else cfg.dist.mode
 
 
@@ -165,14 +167,15 @@ def strategy_class(name: str) -> type[Strategy]:
     return entry
 
 
-def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: list[str],
+def make_strategy(cfg: Config, world: World, engine: Engine, reducer, plan: RunPlan,
                   transport: Transport) -> Strategy:
-    """The config's strategy, checked, then built (every rank alike). `transport`: the run's data
-    plane (`cluster.transport.make_transport`), which strategies that own their exchange use;
-    data parallel's goes through `reducer`."""
-    cls = strategy_class(strategy_name(cfg))
-    cls.check(cfg, world, engine)
-    return cls(cfg, world, engine, hosts, reducer, transport)
+    """The run's strategy, checked, then built (every rank alike). `plan`: the run plan (its
+    `shard` is dist.shard resolved); `transport`: the run's data plane
+    (`cluster.transport.make_transport`), which strategies that own their exchange use; data
+    parallel's goes through `reducer`."""
+    cls = strategy_class(strategy_name(cfg, plan.shard))
+    cls.check(cfg, world, engine, plan)
+    return cls(cfg, world, engine, plan, reducer, transport)
 
 
 def share_state(world: World, engine: Engine, root: int = 0) -> None:

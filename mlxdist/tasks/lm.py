@@ -102,7 +102,9 @@ def lm_task(cfg: Config, base: Any = None, say: Callable[[str], None] | None = N
 def _datasets(cfg: Config, base: Any, say: Callable[[str], None] | None):
     data = cfg.data
     if data.source not in ("jsonl", "hf"):
-        return build_datasets(data, cfg.train.seed, cfg.model.vocab_size)
+        from ..models.build import lm_vocab_size
+
+        return build_datasets(data, cfg.train.seed, lm_vocab_size(cfg, base))
     if base is None:
         raise ConfigError(f"data.source={data.source}: tokenizing needs the model's tokenizer; set model.path")
     from ..data.hf_tokenizer import load_tokenizer

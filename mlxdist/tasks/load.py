@@ -89,7 +89,7 @@ def check_keys_apply(cfg: Config, task: Task) -> None:
     if unknown:
         raise TaskError(f"task {task.name}: config_keys names {', '.join(unknown)}; it lists the model.*, data.* "
                         "and finetune.* keys the task reads (the others always apply)")
-    ignored = sorted(k for k in getattr(cfg, "explicit", ()) if k.split(".")[0] in ("model", "data", "finetune")
+    ignored = sorted(k for k in cfg.explicit if k.split(".")[0] in ("model", "data", "finetune")
                      and k not in _APPLY_TO_TASKS and k not in declared)
     if ignored:
         one = len(ignored) == 1

@@ -20,9 +20,10 @@ import yaml
 from ..cluster.awake import hold_awake
 from ..cluster.drift import SelfCheck, drift_verdict
 from ..cluster.world import World, resolve_backend
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, NodeConfig
 from ..control import BatchSizeError, StepPlan, replan
 from ..control.controllers import Controllers
+from ..control.run_plan import RunPlan, build_run_plan, rank_nodes
 from ..control.step_plan import Decision
 from ..data import GlobalSampler
 from ..data.batch import BatchMaker
@@ -31,6 +32,7 @@ from ..engine import make_engine
 from ..engine.base import Engine, StepStats, set_model
 from ..engine.memory import MemoryReading
 from ..markers import RestartCounts, announce_complete
+from ..models.build import lm_vocab_size
 from ..state import checkpoint as ckpt
 from ..state.checkpointer import (
     Checkpointer,
@@ -64,58 +66,106 @@ class Trainer:
     """Wires the components of one run together and runs the loop."""
 
     def __init__(self, cfg: Config, engine_name: str = "mlx", device: str = "auto", task: Task | None = None):
-        """`task`: what `mlxdist.fit` was given; None: the config's (`task.factory` or the built-in LM)."""
+        """`task`: what `mlxdist.fit` was given; None: the config's (`task.factory` or the built-in LM).
+        The start, in order: the ranks and the run folder; reporting; the task and its model on
+        every rank; the run plan (what this run decides once, `self.run_plan`); then the parts
+        that read it: the strategy, the data, the controllers, the checkpoints."""
         self.cfg = cfg
         self.world: World = make_world(engine_name, cfg, device)
+        w = self.world
         self.run_dir = Path(cfg.train.out_dir)
         run_id, claim_notes = self._claim_run_dir()  # before anything is written there
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.world.install_signal_handlers()
-        hold_awake(os.getpid())  # a MacBook that sleeps mid-run stalls the whole cluster
-        self.world.start_watchdog(cfg.dist.stall_timeout_s)
-        w = self.world
-
-        metrics = Metrics(w.rank, w.host)
-        progress = Progress(cfg.train.steps, enabled=w.is_main and cfg.train.progress, every=cfg.train.log_every)
-        self.report = Reporter(Log(w.rank, w.label, self.run_dir), EventLog(self.run_dir, w.rank, w.host),
-                               metrics, progress, start_trackers(cfg, self.run_dir, w))
-        for warning in getattr(cfg, "warnings", []):
-            if w.is_main:
-                self.report.say(f"config: {warning}")
-
-        for note in claim_notes:
-            self.report.say(note)
+        self._start_rank()
+        metrics, progress = self._start_reporting(claim_notes)
         self.hosts = w.allgather(w.host)
-        unmatched = cfg.unmatched_nodes_warning(self.hosts)
-        if w.is_main and unmatched:
-            self.report.say(f"config: {unmatched}")
+        nodes = self._rank_nodes()
         self.state = ckpt.RunState(run_id=run_id)
-        self._builtin_lm = task is None and not cfg.task.factory
-        self.task = task or resolve_task(cfg, self.report.say if w.is_main else None)
-        if not self._builtin_lm:
-            check_keys_apply(cfg, self.task)
+        self.task = self._resolve_task(task)
         progress.unit = self.task.unit
-        check_same(w.allgather(fingerprint(self.task, cfg.task.args)), self.hosts, self.task.name)
-        node = cfg.node_for(w.host, w.rank)
-        my_micro = node.batch_size if cfg.nodes else cfg.train.batch_size
-        self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device, self.task, w.local_rank, my_micro),
-                                          w.rank, lambda: self.state.step)
+        self.engine: Engine = faults.wrap(make_engine(engine_name, cfg, device, self.task, w.local_rank,
+                                                      nodes[w.rank].batch_size), w.rank, lambda: self.state.step)
         self._check_same_base()
-        shard_lines = resolve_shard(cfg, w, self.engine, self.hosts, self._builtin_lm)  # dist.shard: auto, fits?
+        self.run_plan = self._make_run_plan(nodes)
         self.transport = t = make_data_plane(engine_name, cfg, w)  # the data plane, every collective
-        self.sync: Strategy = make_strategy(cfg, w, self.engine, make_reducer(engine_name, cfg, t), self.hosts, t)
+        reducer = make_reducer(engine_name, cfg, t, self.run_plan.wire_dtype)
+        self.sync: Strategy = make_strategy(cfg, w, self.engine, reducer, self.run_plan, t)
         held = optimizer_state_bytes(self.engine, self.sync, w.rank)
         if held is not None:
             metrics.optimizer_state.set(held)
         self.evaluator = Evaluator(self.task, cfg.train, w)
-        data = self.task.dataset
-        self.feed = StepFeed(BatchMaker(lambda idx: self.task.make_batch(data, idx),
-                                        GlobalSampler(len(data), cfg.train.seed), w.rank), cfg.data.prefetch)
+        self.feed = self._make_feed()
         self._units = 0
+        notes = self._make_controllers()
+        self._make_state_parts()
+        self.stop_reason: str | None = None
+        self._gave_up = False  # this rank's updates were skipped control.max_nonfinite_steps times in a row
+        self.self_check = SelfCheck(cfg.dist.sync_weights_every if self.sync.drift_check else 0)
+        self._drift_restored_to: int | None = None
+        self._announce(metrics, notes)
 
-        plan = StepPlan.initial(w.allgather(my_micro), cfg.train.accum, cfg.train.global_batch)
-        self.ctl = Controllers.build(cfg, plan, my_micro, node.memory_target, w.size, w.rank, w.allgather)
-        notes = install_sync_batchnorm(cfg, w, self.engine, plan)  # train.sync_batchnorm (torch)
+    # ------------------------------------------------------------------ start-up
+    def _start_rank(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.world.install_signal_handlers()
+        hold_awake(os.getpid())  # a MacBook that sleeps mid-run stalls the whole cluster
+        self.world.start_watchdog(self.cfg.dist.stall_timeout_s)
+
+    def _start_reporting(self, claim_notes: list[str]) -> tuple[Metrics, Progress]:
+        cfg, w = self.cfg, self.world
+        metrics = Metrics(w.rank, w.host)
+        progress = Progress(cfg.train.steps, enabled=w.is_main and cfg.train.progress, every=cfg.train.log_every)
+        self.report = Reporter(Log(w.rank, w.label, self.run_dir), EventLog(self.run_dir, w.rank, w.host),
+                               metrics, progress, start_trackers(cfg, self.run_dir, w))
+        for warning in cfg.warnings if w.is_main else ():
+            self.report.say(f"config: {warning}")
+        for note in claim_notes:
+            self.report.say(note)
+        return metrics, progress
+
+    def _rank_nodes(self) -> list[NodeConfig]:
+        """Every rank's `nodes:` settings; a host that matches no entry is named once."""
+        unmatched = self.cfg.unmatched_nodes_warning(self.hosts)
+        if self.world.is_main and unmatched:
+            self.report.say(f"config: {unmatched}")
+        return rank_nodes(self.cfg, self.hosts)
+
+    def _resolve_task(self, given: Task | None) -> Task:
+        """The task every rank trains, checked to be the same one on all of them."""
+        cfg, w = self.cfg, self.world
+        self._builtin_lm = given is None and not cfg.task.factory
+        task = given or resolve_task(cfg, self.report.say if w.is_main else None)
+        if not self._builtin_lm:
+            check_keys_apply(cfg, task)
+        check_same(w.allgather(fingerprint(task, cfg.task.args)), self.hosts, task.name)
+        return task
+
+    def _make_run_plan(self, nodes: list[NodeConfig]) -> RunPlan:
+        """What this run decides once (`control/run_plan.py`), from the config and what every
+        rank reports: its memory limit; `dist.shard=auto` resolved against them."""
+        cfg, w, engine = self.cfg, self.world, self.engine
+        limits = w.allgather(int(engine.memory().limit))
+        shard, lines = resolve_shard(cfg, w, engine, self.hosts, limits, self._builtin_lm)
+        vocab = lm_vocab_size(cfg, engine.base) if self._builtin_lm else None
+        return build_run_plan(cfg, w.rank, nodes, self.hosts, limits, shard=shard,
+                              n_trained=int(sum(engine.gradient_sizes())), vocab_size=vocab, notes=lines)
+
+    def _make_feed(self) -> StepFeed:
+        data = self.task.dataset
+        return StepFeed(BatchMaker(lambda idx: self.task.make_batch(data, idx),
+                                   GlobalSampler(len(data), self.cfg.train.seed), self.world.rank),
+                        self.cfg.data.prefetch)
+
+    def _make_controllers(self) -> list[str]:
+        """The step's split from every rank's micro-batch, and the policies that move it.
+        Returns the notes of synchronised BatchNorm (train.sync_batchnorm, torch)."""
+        cfg, w, run = self.cfg, self.world, self.run_plan
+        plan = StepPlan.initial(list(run.micro_batches), cfg.train.accum, cfg.train.global_batch)
+        self.ctl = Controllers.build(cfg, plan, run.micro_batch, run.memory_target, w.size, w.rank, w.allgather)
+        return install_sync_batchnorm(cfg, w, self.engine, plan)
+
+    def _make_state_parts(self) -> None:
+        """What a checkpoint holds, by part, and who writes it."""
+        cfg, w = self.cfg, self.world
         self.checkpoints = Checkpointer(cfg.checkpoint, self.run_dir, host=w.host, rank=w.rank,
                                         local_rank=w.local_rank)
         self.writers = [r for r, writes in enumerate(w.allgather(self.checkpoints.writes)) if writes]
@@ -125,11 +175,10 @@ class Trainer:
         self.parts = {"run": self.state, "controllers": self.ctl, "model": ModelState(self.engine, self.sync),
                       "cluster": ClusterInfo(w.size, self.hosts, cfg.to_dict())}
         self.parts |= {name: part for name, part in (("ema", self.ema), ("task", self.task_state)) if part}
-        self.stop_reason: str | None = None
-        self._gave_up = False  # this rank's updates were skipped control.max_nonfinite_steps times in a row
-        self.self_check = SelfCheck(cfg.dist.sync_weights_every if self.sync.drift_check else 0)
-        self._drift_restored_to: int | None = None
 
+    def _announce(self, metrics: Metrics, notes: list[str]) -> None:
+        """The metrics endpoint, and the start-up banner with the plan's lines (rank 0)."""
+        cfg, w = self.cfg, self.world
         devices = w.allgather(self.engine.device)
         backend = resolve_backend(cfg.dist.backend) if w.size > 1 else "single"
         metrics.set_build(engine=self.engine.name, backend=backend, world_size=str(w.size))
@@ -138,7 +187,7 @@ class Trainer:
             self.report.say(warning)
         if w.is_main:
             self._banner(backend, devices)
-        for note in [*self.engine.capabilities.notes, *notes, *(shard_lines if w.is_main else [])]:
+        for note in [*self.engine.capabilities.notes, *notes, *(self.run_plan.notes if w.is_main else [])]:
             self.report.say(note)
 
     @property

@@ -29,18 +29,18 @@ def make_data_plane(name: str, cfg: Config, world: World) -> Transport:
     return make_transport(world, backend, cfg.dist.ring_connections)
 
 
-def make_reducer(name: str, cfg: Config, transport: Transport):
+def make_reducer(name: str, cfg: Config, transport: Transport, wire: str):
     """The data-plane sum of this engine's gradient arrays across ranks (`sync/grad.py`'s
-    `all_sum` contract) over `transport`; the data-parallel strategy holds it and never asks
-    which it is."""
+    `all_sum` contract) over `transport`, `wire` the run plan's gradient wire; the data-parallel
+    strategy holds it and never asks which it is."""
     if transport.size > 1 and name == "torch":
         from ..sync.torch_grad import TorchGradSync
 
-        return TorchGradSync(transport, cfg.dist.bucket_mb, cfg.dist.wire_dtype, cfg.dist.overlap)
+        return TorchGradSync(transport, cfg.dist.bucket_mb, wire, cfg.dist.overlap)
     if transport.size > 1:
         from ..sync.grad import GradSync
 
-        return GradSync(transport, cfg.dist.bucket_mb, cfg.dist.wire_dtype)
+        return GradSync(transport, cfg.dist.bucket_mb, wire)
     from ..sync.reducer import Unreduced
 
     return Unreduced()
