@@ -52,10 +52,11 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], b
 
 
 def optimizer_state_bytes(engine: Engine, sync, rank: int) -> int | None:
-    """AdamW state (m and v, fp32: 8 bytes a trained parameter) this rank holds: its shard's
-    under `dist.shard` (the strategy's `shard_bytes`), else all of it (data parallel, DiLoCo's
-    inner optimizer, one rank). None for a task's own optimizer: its state is the task's."""
+    """Optimizer state (fp32: AdamW 8 bytes a trained parameter, Lion 4) this rank holds: its
+    shard's under `dist.shard` (the strategy's `shard_bytes`), else all of it (data parallel,
+    DiLoCo's inner optimizer, one rank). None for a task's own optimizer: its state is the task's."""
     if getattr(engine, "own_optimizer", None) not in (None, False):  # MLX: the optimizer or None; torch: a flag
         return None
     shard_bytes = getattr(sync, "shard_bytes", None)
-    return int(shard_bytes()[rank]) if shard_bytes is not None else 8 * int(sum(engine.gradient_sizes()))
+    return int(shard_bytes()[rank]) if shard_bytes is not None else \
+        engine.optimizer.state_bytes * int(sum(engine.gradient_sizes()))

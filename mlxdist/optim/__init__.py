@@ -1,0 +1,60 @@
+"""Optimizer math, written once over a few tensor primitives, for every engine and shard mode.
+
+An optimizer here is a small frozen dataclass: its hyper-parameters (read from the config's
+`train` section), the names of the state it keeps per trained parameter (checkpoints hold
+`<state name>.<param>`), and `update`, one formula over arithmetic operators and the named
+primitives of an `xp` namespace (`where`, `sqrt`, `sign`, `square`). The same `update` is what
+the MLX engine compiles per parameter, what the torch engine runs over all its parameters at
+once (`torch_ops.Many`: each operator one `torch._foreach_*` call), and what ZeRO-1/2/3 run on
+a rank's flat shard (`decay` a mask there): so a sharded run equals data parallel by
+construction, and the two engines agree.
+
+Nothing here imports a framework at module level (the torch engine runs where MLX is not
+installed): each namespace (`numpy_ops`, `mlx_ops`, `torch_ops`) is imported by the engine that
+uses it. Adding an optimizer is one module beside `adamw.py` and one line in `OPTIMIZERS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .adamw import AdamW
+from .base import Optimizer
+from .lion import Lion
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {o.name: o for o in (AdamW, Lion)}
+
+
+def make_optimizer(name: str, train) -> Optimizer:
+    """The optimizer `train.optimizer` names, its hyper-parameters from `train` (the config's
+    section, or anything with the same attributes)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name].from_config(train)
+
+
+def state_owner(keys) -> str | None:
+    """The optimizer whose state names are exactly the prefixes of `keys` (`m.w`, `v.w`, ...);
+    None when no registered one keeps that state."""
+    prefixes = {k.split(".", 1)[0] for k in keys}
+    found = [n for n, o in OPTIMIZERS.items() if set(o.state_names) == prefixes]
+    return found[0] if len(found) == 1 else None
+
+
+def check_state(opt: Optimizer, names: list[str], state: Mapping) -> None:
+    """One line before anything is overwritten when `state` (a checkpoint's optimizer state) is
+    not `opt`'s for every one of `names`: another optimizer's (named), or incomplete."""
+    want = [f"{k}.{n}" for k in opt.state_names for n in names]
+    missing = [k for k in want if k not in state]
+    if not missing:
+        return
+    other = state_owner(state)
+    if other is not None and other != opt.name:
+        raise ValueError(f"the checkpoint holds {other}'s optimizer state ({', '.join(OPTIMIZERS[other].state_names)}"
+                         f" per parameter) but this run trains with {opt.name} (train.optimizer): resume with "
+                         f"train.optimizer={other}, or start a fresh run")
+    raise ValueError(f"the checkpoint's optimizer state lacks {len(missing)} of {opt.name}'s entries "
+                     f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+
+
+__all__ = ["OPTIMIZERS", "AdamW", "Lion", "Optimizer", "check_state", "make_optimizer", "state_owner"]
