@@ -543,11 +543,10 @@ class TorchEngine(HoldsBatches):
         if self._opt_state is None:
             self._opt_state = {k: [torch.zeros_like(p) for p in self._params] for k in keys}
         grads = Many([torch.zeros_like(p) if p.grad is None else p.grad for p in self._params])
-        p, state = opt.update(torch_ops, Many([p.detach() for p in self._params]), grads,
+        _, state = opt.update(torch_ops, Many([p.detach() for p in self._params]), grads,
                               tuple(Many(self._opt_state[k]) for k in keys),
                               opt.scalars(lr, self._updates + 1, coef), self._decay)
-        torch._foreach_copy_([q.detach() for q in self._params], p.items)
-        self._opt_state = {k: st.items for k, st in zip(keys, state, strict=True)}
+        self._opt_state = {k: st.items for k, st in zip(keys, state, strict=True)}  # updated in place
 
     def _zero_grad(self) -> None:
         for p in self._params:

@@ -29,9 +29,9 @@ class AdamW(Optimizer):
     def update(self, xp: Any, p: Any, g: Any, state: tuple, s: Any, decay: Any) -> tuple[Any, tuple]:
         m, v = state
         lr, bc1, bc2, coef = s[0], s[1], s[2], s[3]
-        g = g * coef
-        m = self.beta1 * m + (1 - self.beta1) * g
-        v = self.beta2 * v + (1 - self.beta2) * xp.square(g)
-        p = xp.where(decay, p * (1 - lr * self.weight_decay), p)
-        p = p - lr * (m / bc1) / (xp.sqrt(v / bc2) + self.eps)
+        g = xp.scale_(g, coef)
+        m = xp.ema_(m, g, self.beta1)
+        v = xp.ema_square_(v, g, self.beta2)
+        p = xp.decay_(p, lr * self.weight_decay, decay)
+        p = xp.descend_(p, lr, m, xp.add_(xp.sqrt_(xp.div(v, bc2)), self.eps), bc1)
         return p, (m, v)

@@ -34,5 +34,7 @@ class Optimizer:
     def update(self, xp: Any, p: Any, g: Any, state: tuple, s: Any, decay: Any) -> tuple[Any, tuple]:
         """(new p, new state) from the weights `p`, gradient `g` (of the mean loss, unclipped),
         `state` (in `state_names` order) and `s` = `scalars(...)`; decoupled weight decay where
-        `decay` (a bool, a list of them, or a mask of p's shape)."""
+        `decay` (a bool, a list of them, or a mask of p's shape). Written over `xp`'s primitives
+        only (`numpy_ops` defines each); one ending in `_` may overwrite its first argument (torch
+        does, in place), so the formula never reads that argument again."""
         raise NotImplementedError

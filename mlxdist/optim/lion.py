@@ -31,9 +31,9 @@ class Lion(Optimizer):
     def update(self, xp: Any, p: Any, g: Any, state: tuple, s: Any, decay: Any) -> tuple[Any, tuple]:
         (m,) = state
         lr, coef = s[0], s[1]
-        g = g * coef
-        c = self.beta1 * m + (1 - self.beta1) * g
-        p = xp.where(decay, p * (1 - lr * self.weight_decay), p)
-        p = p - lr * xp.sign(c)
-        m = self.beta2 * m + (1 - self.beta2) * g
+        g = xp.scale_(g, coef)
+        direction = xp.sign_(xp.mix(m, g, self.beta1))
+        p = xp.decay_(p, lr * self.weight_decay, decay)
+        p = xp.descend_(p, lr, direction)
+        m = xp.ema_(m, g, self.beta2)
         return p, (m,)

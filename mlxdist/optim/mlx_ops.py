@@ -1,5 +1,8 @@
-"""The primitives of `Optimizer.update` in MLX (the engine compiles the update with them)."""
+"""The primitives of `Optimizer.update` in MLX: `numpy_ops`'s definitions over `mlx.core` (the
+engine compiles the update with them)."""
 
-from mlx.core import sign, sqrt, square, where
+import mlx.core as mx
 
-__all__ = ["sign", "sqrt", "square", "where"]
+from .numpy_ops import bind
+
+globals().update(bind(mx))
