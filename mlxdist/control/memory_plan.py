@@ -86,7 +86,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..optim import make_optimizer
+from ..optim import OPTIMIZERS, make_optimizer
 from .split import proportional_split
 
 MODES = ("none", "optimizer", "gradients", "weights")
@@ -252,6 +252,7 @@ class Plan:
     choice: str | None  # what dist.shard=auto resolves to; None: nothing fits
     configured: str = "auto"  # dist.shard as set
     notes: list[str] = field(default_factory=list)
+    optimizer: str = "adamw"  # train.optimizer: its state is the table's optimizer column
 
     @property
     def budgets(self) -> list[int]:
@@ -305,7 +306,7 @@ class Plan:
             lines.append(f"{r.rank:<5}{r.host[:13]:<14}{self._n(r.memory):>8}{r.target:>8.2f}{self._n(r.budget):>8}"
                          f"{r.micro_batch:>7}{100 * f:>7.1f}%")
         lines.append("")
-        lines.append(f"{'dist.shard':<24}{'rank':<5}{'host':<14}{'weights':>8}{'adamw':>8}{'activ.':>8}"
+        lines.append(f"{'dist.shard':<24}{'rank':<5}{'host':<14}{'weights':>8}{self.optimizer:>8}{'activ.':>8}"
                      f"{'grads':>8}{'update':>8}{'whole':>8}{'peak':>8}{'budget':>8}  fits")
         for mode in MODES:
             head = f"{mode} ({MODE_NAMES[mode]})"
@@ -316,10 +317,11 @@ class Plan:
                              f"{self._n(b.optimizer):>8}{act:>8}{self._n(b.gradients):>8}{self._n(b.update):>8}"
                              f"{self._n(b.whole_model) if b.whole_model else '-':>8}"
                              f"{self._n(b.total):>8}{self._n(r.budget):>8}  {ok}")
-        key = ("peak = weights + adamw + the highest of: activ. (backward), the whole gradients (4 bytes a "
+        state = OPTIMIZERS[self.optimizer].state_names
+        key = (f"peak = weights + {self.optimizer} + the highest of: activ. (backward), the whole gradients (4 bytes a "
                "parameter, backward's end), grads + update (the update's temporaries), whole (ZeRO-3: the "
-               "whole model every rank builds at start, 4 bytes a parameter; 12 on rank 0, which gathers the "
-               "weights and moments to save them)")
+               f"whole model every rank builds at start, 4 bytes a parameter; {4 + 4 * len(state)} on rank 0, "
+               f"which gathers the weights and {'/'.join(state)} to save them)")
         return lines + ["", key] + self.notes + ([self.choice_line()] if choice else [])
 
     def unsharded_warning(self, can_shard: bool = True, auto: bool = True) -> str | None:
@@ -387,4 +389,5 @@ def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: i
         notes.append(f"activations not estimated for {what}; add --activation-gb (GiB per sample, as measured)")
     if cfg.dist.mode == "diloco":
         notes.append("note: dist.mode=diloco: each rank keeps its whole model and outer state; sharding is a ddp mode")
-    return Plan(ranks, n_params, cfg.model.dtype, shard_sizes, needs, choice, cfg.dist.shard, notes)
+    return Plan(ranks, n_params, cfg.model.dtype, shard_sizes, needs, choice, cfg.dist.shard, notes,
+                cfg.train.optimizer)
