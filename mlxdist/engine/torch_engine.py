@@ -403,8 +403,8 @@ class TorchEngine(HoldsBatches):
             return self._own_optimizer_state(), self._updates
         out: dict[str, np.ndarray] = {}
         for k in self.optimizer.state_names:
-            for i, (name, p) in enumerate(zip(self._names, self._params, strict=True)):
-                a = np.zeros(tuple(p.shape), np.float32) if self._opt_state is None else _to_numpy(self._opt_state[k][i])
+            for i, name in enumerate(self._names):
+                a = np.zeros(self._shapes[name], np.float32) if self._opt_state is None else _to_numpy(self._opt_state[k][i])
                 out[f"{k}.{name}"] = _ours(name, a)
         return out, self._updates
 

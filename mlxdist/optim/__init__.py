@@ -43,18 +43,21 @@ def state_owner(keys) -> str | None:
 
 def check_state(opt: Optimizer, names: list[str], state: Mapping) -> None:
     """One line before anything is overwritten when `state` (a checkpoint's optimizer state) is
-    not `opt`'s for every one of `names`: another optimizer's (named), or incomplete."""
-    want = [f"{k}.{n}" for k in opt.state_names for n in names]
-    missing = [k for k in want if k not in state]
-    if not missing:
+    not exactly `opt`'s for `names`: another optimizer's (named), incomplete, or with more."""
+    missing = [k for k in (f"{s}.{n}" for s in opt.state_names for n in names) if k not in state]
+    extra = sorted({k.split(".", 1)[0] for k in state} - set(opt.state_names))
+    if not missing and not extra:
         return
     other = state_owner(state)
     if other is not None and other != opt.name:
         raise ValueError(f"the checkpoint holds {other}'s optimizer state ({', '.join(OPTIMIZERS[other].state_names)}"
                          f" per parameter) but this run trains with {opt.name} (train.optimizer): resume with "
                          f"train.optimizer={other}, or start a fresh run")
-    raise ValueError(f"the checkpoint's optimizer state lacks {len(missing)} of {opt.name}'s entries "
-                     f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+    if missing:
+        raise ValueError(f"the checkpoint's optimizer state lacks {len(missing)} of {opt.name}'s entries "
+                         f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+    raise ValueError(f"the checkpoint's optimizer state holds {', '.join(e + '.*' for e in extra)}, which "
+                     f"{opt.name} (train.optimizer) does not keep")
 
 
 __all__ = ["OPTIMIZERS", "AdamW", "Lion", "Optimizer", "check_state", "make_optimizer", "state_owner"]
