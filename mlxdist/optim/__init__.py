@@ -2,16 +2,19 @@
 
 An optimizer here is a small frozen dataclass: its hyper-parameters (read from the config's
 `train` section), the names of the state it keeps per trained parameter (checkpoints hold
-`<state name>.<param>`), and `update`, one formula over arithmetic operators and the named
-primitives of an `xp` namespace (`where`, `sqrt`, `sign`, `square`). The same `update` is what
-the MLX engine compiles per parameter, what the torch engine runs over all its parameters at
-once (`torch_ops.Many`: each operator one `torch._foreach_*` call), and what ZeRO-1/2/3 run on
-a rank's flat shard (`decay` a mask there): so a sharded run equals data parallel by
-construction, and the two engines agree.
+`<state name>.<param>`), and `update`, one formula over the primitives of an `xp` namespace
+(`numpy_ops` defines them: `scale_`, `ema_`, `ema_square_`, `mix`, `decay_`, `descend_`, `div`,
+`add_`, `sqrt_`, `sign_`). The same `update` is what the MLX engine compiles per parameter
+(`mlx_ops`: numpy_ops's definitions over mlx.core, so its arithmetic is the formula as
+written), what the torch engine runs over all its parameters at once (`torch_ops.Many`: each
+primitive one `torch._foreach_*` call, in place), and what ZeRO-1/2/3 run on a rank's flat
+shard (`decay` a mask there): so a sharded run equals data parallel by construction, and the
+two engines agree to rounding.
 
 Nothing here imports a framework at module level (the torch engine runs where MLX is not
-installed): each namespace (`numpy_ops`, `mlx_ops`, `torch_ops`) is imported by the engine that
-uses it. Adding an optimizer is one module beside `adamw.py` and one line in `OPTIMIZERS`.
+installed): each namespace is imported by the engine that uses it. Adding an optimizer is one
+module beside `adamw.py` and one entry in `OPTIMIZERS`; the config's choices
+(`train.optimizer`), checkpoints and the memory plan (`state_bytes`) follow from it.
 """
 
 from __future__ import annotations
