@@ -51,15 +51,17 @@ def main(argv: list[str]) -> int:
         if fused:
             torch.cuda.synchronize()
 
+    held = [g.clone() for g in grads]
+
     @torch.no_grad()
     def mlxdist_step(name: str, step: int) -> None:
         opt, params = ours[name]
-        g = torch_ops.Many([x.clone() for x in grads])  # the engine's gradients: consumed in place
-        opt.update(torch_ops, torch_ops.Many(params), g, states[name], opt.scalars(t.lr, step, 1.0), decay)
+        torch._foreach_copy_(held, grads)  # as the engine's gradients arrive fresh (the update consumes them)
+        opt.update(torch_ops, torch_ops.Many(params), torch_ops.Many(held), states[name],
+                   opt.scalars(t.lr, step, 1.0), decay)
 
     def torch_step(step: int) -> None:
-        for q, g in zip(theirs, grads, strict=True):
-            q.grad.copy_(g)  # as the engine's gradients arrive fresh
+        torch._foreach_copy_([q.grad for q in theirs], grads)  # as the engine's gradients arrive fresh
         torch_adamw.step()
 
     runs = {"torch.optim.AdamW": lambda s: torch_step(s), "mlxdist AdamW": lambda s: mlxdist_step("adamw", s),
