@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from .optim import OPTIMIZERS
+
 
 class ConfigError(ValueError):
     """A one-line, user-facing problem with the configuration."""
@@ -114,6 +116,9 @@ class TrainConfig:
     min_lr_ratio: float = field(default=0.1, metadata=_range(0.0, 1.0))
     warmup_steps: int = field(default=20, metadata=_range(0))
     schedule: str = field(default="cosine", metadata=_range(choices=("cosine", "linear", "constant")))
+    optimizer: str = field(default="adamw", metadata=_range(choices=tuple(OPTIMIZERS), help=(
+        "mlxdist.optim's: adamw (m, v: 8 bytes a parameter) or lion (m: 4; wants a 3-10x lower lr); "
+        "beta1/beta2/eps are AdamW's")))
     weight_decay: float = field(default=0.1, metadata=_range(0.0, 1.0))
     beta1: float = field(default=0.9, metadata=_range(0.0, 1.0))
     beta2: float = field(default=0.95, metadata=_range(0.0, 1.0))

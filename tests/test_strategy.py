@@ -86,7 +86,7 @@ def test_mlx_engines_declare_what_they_can_do_and_sharding_reads_it():
     task = mlx_own_optimizer()
     own = MLXEngine(cfg, task=task)
     assert own.capabilities == Capabilities(task.name, own_optimizer=True)
-    with pytest.raises(ConfigError, match=r"dist.shard=gradients shards mlxdist's AdamW; this task brings its own "
+    with pytest.raises(ConfigError, match=r"dist.shard=gradients shards mlxdist's optimizer; this task brings its own "
                                           r"optimizer \(Task.optimizer\): drop it or set dist.shard=none"):
         make_strategy(cfg, WORLD, own, None, plan_of(cfg), None)
     plain, staged = MLXEngine(cfg, task=mlx_mlp()).capabilities, MLXEngine(cfg, task=mlx_staged_mlp()).capabilities

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "finetune": ("finetune", "main", False, "LoRA steps: ours vs mlx-lm and transformers + peft"),
     "generate": ("generate", "main", True, "mlxdist.generate vs mlx_lm.generate, tokens/s"),
     "shard": ("shard", "main", False, "sharded data parallel (ZeRO-1/2) vs data parallel: memory per rank, step time"),
+    "optim": ("optim", "main", False, "the torch engine's AdamW (mlxdist.optim) vs torch.optim.AdamW, one step"),
     "checkpoint-io": ("checkpoint_io", "main", False, "checkpoint write/read: plain safetensors vs zstd"),
 }
 

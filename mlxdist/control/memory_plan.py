@@ -11,7 +11,9 @@ the estimate is the highest:
     peak = weights + adamw + max(activations, whole gradients, grads + update)
 
 N trained parameters, f = the rank's shard fraction (its `shard_sizes[r] / N`), c = 2 the
-bf16/fp16 compute copy the forward pass casts (0 for float32):
+bf16/fp16 compute copy the forward pass casts (0 for float32). The table is AdamW's (8 bytes
+of state a parameter: m, v); `train.optimizer` with S bytes (`mlxdist.optim`: Lion 4, one
+moment) holds S N (f) in that column, and its update makes S instead of 8 of new state:
 
     mode         weights       adamw (m, v)   grads (at the update)      update
     none         (4 + c) N     8 N            4 N  (+ 4 N on 2+ ranks)    12 N
@@ -84,6 +86,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..optim import OPTIMIZERS, make_optimizer
 from .split import shard_bounds
 
 MODES = ("none", "optimizer", "gradients", "weights")
@@ -131,12 +134,13 @@ class Bytes:
 def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
              activation_bytes_per_sample: int | None, dtype: str = "float32", *,
              gather_params: int = 0, ranks: int = 1, staged_activation_bytes_per_sample: int | None = None,
-             writer: bool = False) -> Bytes:
+             writer: bool = False, state_bytes: int = 8) -> Bytes:
     """Bytes one rank holds training `n_params` parameters under `mode` (see the module's
     table), owning `shard_fraction` of every sharded state, at `micro_batch` samples, in a run
     of `ranks` ranks (data parallel's reducer keeps a summed copy of the gradients on 2+).
     ZeRO-3 keeps only the stages' inputs (`staged_activation_bytes_per_sample`, default the
-    others'); a checkpoint `writer` gathers the moments too when it saves."""
+    others'); a checkpoint `writer` gathers the moments too when it saves. `state_bytes`: the
+    optimizer's state per parameter (AdamW 8, Lion 4)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if not 0.0 <= shard_fraction <= 1.0:
@@ -146,9 +150,10 @@ def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
     copy = 0 if dtype == "float32" else compute
     shard = math.ceil(n * f)  # this rank's elements
     act = None if activation_bytes_per_sample is None else micro_batch * activation_bytes_per_sample
+    s = state_bytes  # AdamW's 8 in the module's table: the new p beside the old is 4 + s (12 N)
     if mode == "none":
-        return Bytes((4 + copy) * n, 4 * n * (2 if ranks > 1 else 1), 8 * n, act, 12 * n, 4 * n)
-    update = 17 * shard
+        return Bytes((4 + copy) * n, 4 * n * (2 if ranks > 1 else 1), s * n, act, (4 + s) * n, 4 * n)
+    update = (9 + s) * shard
     if mode == "weights":
         g = min(gather_params, n)
         if staged_activation_bytes_per_sample is not None:
@@ -156,11 +161,11 @@ def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
         # The update's p is the shard the rank holds anyway: the mask and the new p, m, v, 13 N f.
         # Whole: every rank builds the whole model at start (4 N) before it cuts its slice; the
         # checkpoint writer gathers the weights and moments to save (12 N).
-        return Bytes(4 * shard + (4 + copy) * g, 4 * shard, 8 * shard, act, 13 * shard, 4 * g,
-                     12 * n if writer else 4 * n)
+        return Bytes(4 * shard + (4 + copy) * g, 4 * shard, s * shard, act, (5 + s) * shard, 4 * g,
+                     (4 + s) * n if writer else 4 * n)
     update = max(update, 4 * n + shard)  # the all-gathered weights set beside the old ones
     gradients = 4 * n + 4 * shard if mode == "optimizer" else 4 * shard
-    return Bytes((4 + copy) * n, gradients, 8 * shard, act, update, 4 * n)
+    return Bytes((4 + copy) * n, gradients, s * shard, act, update, 4 * n)
 
 
 def choose_mode(needs: dict[str, Sequence[int]], budgets: Sequence[int]) -> str | None:
@@ -247,6 +252,7 @@ class Plan:
     choice: str | None  # what dist.shard=auto resolves to; None: nothing fits
     configured: str = "auto"  # dist.shard as set
     notes: list[str] = field(default_factory=list)
+    optimizer: str = "adamw"  # train.optimizer: its state is the table's optimizer column
 
     @property
     def budgets(self) -> list[int]:
@@ -300,7 +306,7 @@ class Plan:
             lines.append(f"{r.rank:<5}{r.host[:13]:<14}{self._n(r.memory):>8}{r.target:>8.2f}{self._n(r.budget):>8}"
                          f"{r.micro_batch:>7}{100 * f:>7.1f}%")
         lines.append("")
-        lines.append(f"{'dist.shard':<24}{'rank':<5}{'host':<14}{'weights':>8}{'adamw':>8}{'activ.':>8}"
+        lines.append(f"{'dist.shard':<24}{'rank':<5}{'host':<14}{'weights':>8}{self.optimizer:>8}{'activ.':>8}"
                      f"{'grads':>8}{'update':>8}{'whole':>8}{'peak':>8}{'budget':>8}  fits")
         for mode in MODES:
             head = f"{mode} ({MODE_NAMES[mode]})"
@@ -311,10 +317,11 @@ class Plan:
                              f"{self._n(b.optimizer):>8}{act:>8}{self._n(b.gradients):>8}{self._n(b.update):>8}"
                              f"{self._n(b.whole_model) if b.whole_model else '-':>8}"
                              f"{self._n(b.total):>8}{self._n(r.budget):>8}  {ok}")
-        key = ("peak = weights + adamw + the highest of: activ. (backward), the whole gradients (4 bytes a "
+        state = OPTIMIZERS[self.optimizer].state_names
+        key = (f"peak = weights + {self.optimizer} + the highest of: activ. (backward), the whole gradients (4 bytes a "
                "parameter, backward's end), grads + update (the update's temporaries), whole (ZeRO-3: the "
-               "whole model every rank builds at start, 4 bytes a parameter; 12 on rank 0, which gathers the "
-               "weights and moments to save them)")
+               f"whole model every rank builds at start, 4 bytes a parameter; {4 + 4 * len(state)} on rank 0, "
+               f"which gathers the weights and {'/'.join(state)} to save them)")
         return lines + ["", key] + self.notes + ([self.choice_line()] if choice else [])
 
     def unsharded_warning(self, can_shard: bool = True, auto: bool = True) -> str | None:
@@ -367,9 +374,10 @@ def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: i
              for i, ((host, memory), node) in enumerate(zip(hosts, nodes, strict=True))]
     budgets = [float(r.memory) * r.target for r in ranks]
     shard_sizes = [b - a for a, b in shard_bounds(n_params, budgets, cfg.dist.shard_split)]
+    state_bytes = make_optimizer(cfg.train.optimizer, cfg.train).state_bytes
     needs = {m: [estimate(n_params, m, s / n_params, r.micro_batch, act_per_sample, cfg.model.dtype,
                           gather_params=gather_params, ranks=len(ranks), writer=r.rank == 0,
-                          staged_activation_bytes_per_sample=staged_act_per_sample)
+                          staged_activation_bytes_per_sample=staged_act_per_sample, state_bytes=state_bytes)
                  for r, s in zip(ranks, shard_sizes, strict=True)] for m in MODES}
     choice = choose_mode({m: [b.total for b in bs] for m, bs in needs.items()}, [r.budget for r in ranks])
     notes = []
@@ -378,4 +386,5 @@ def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: i
         notes.append(f"activations not estimated for {what}; add --activation-gb (GiB per sample, as measured)")
     if cfg.dist.mode == "diloco":
         notes.append("note: dist.mode=diloco: each rank keeps its whole model and outer state; sharding is a ddp mode")
-    return Plan(ranks, n_params, cfg.model.dtype, shard_sizes, needs, choice, cfg.dist.shard, notes)
+    return Plan(ranks, n_params, cfg.model.dtype, shard_sizes, needs, choice, cfg.dist.shard, notes,
+                cfg.train.optimizer)

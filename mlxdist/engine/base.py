@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from ..optim import Optimizer
 from ..tasks import Batch, TaskError
 from ..tasks.metrics import MetricSums, means
 from .memory import MemoryReading
@@ -83,14 +84,16 @@ class ShardOps(Protocol):
     sharding itself is written once for both. The strategy cuts the trained parameters,
     flattened one after another in checkpoint layout (`get_weights`'), into ranges, one per
     rank; `pieces` are a range's parts, one per parameter it touches. Checkpoint layout, not
-    the engine's own, so gathered moments are `m.<param>`/`v.<param>` as they are and
-    checkpoints move between sharded and unsharded runs of either engine. The math (norm,
-    AdamW) stays on the engine's device; only flat fp32 numpy crosses between ranks, so the
-    exchange never knows which framework it serves. Each engine's update is its own
-    unsharded AdamW, element for element, so a sharded run equals data parallel."""
+    the engine's own, so gathered state is the checkpoint's `<state name>.<param>` as it is and
+    checkpoints move between sharded and unsharded runs of either engine. The math (norm, the
+    optimizer's update) stays on the engine's device; only flat fp32 numpy crosses between
+    ranks, so the exchange never knows which framework it serves. The update is the engine's
+    optimizer's (`mlxdist.optim`, the same formula as its unsharded step), element for element,
+    so a sharded run equals data parallel."""
 
     names: list[str]  # trained parameters, in `take_gradients()` order
     shapes: list[tuple[int, ...]]  # each one's shape in checkpoint layout
+    optimizer: Optimizer  # the engine's (its state names, bytes per parameter, the math)
 
     def flat(self, index: int, grad) -> np.ndarray:
         """Gradient `index` (as `take_gradients` handed it) as flat fp32 numpy in checkpoint
@@ -109,13 +112,14 @@ class ShardOps(Protocol):
         """Sum of squares of the shard `g`, summed per piece in fp32 as the engine sums per
         parameter (one fp32 sum over a long range drifts), then in float64."""
 
-    def adamw(self, p, m, v, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
-        """(p, m, v) after the engine's AdamW update number `t` of the shard (the gradient `g`
-        times the clip coefficient `coef`; decoupled decay on pieces of >= 2-D parameters)."""
+    def update(self, p, state: tuple, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
+        """(p, state) after the optimizer's update number `t` of the shard (`state` in
+        `optimizer.state_names` order; the gradient `g` times the clip coefficient `coef`;
+        decoupled decay on pieces of >= 2-D parameters)."""
 
     def drop_moments(self, step: int) -> None:
-        """Let go of the engine's own AdamW moments (the shards hold them) and keep `step` as
-        its update count; `set_optimizer_state` brings them back (checkpoints, drift repair)."""
+        """Let go of the engine's own optimizer state (the shards hold it) and keep `step` as
+        its update count; `set_optimizer_state` brings it back (checkpoints, drift repair)."""
 
 
 class StagedOps(ShardOps, Protocol):
@@ -154,6 +158,7 @@ class Engine(Protocol):
     base_fingerprint: str | None  # of a pretrained base (every rank must train the same one)
     capabilities: Capabilities
     released: bool  # the weights are in a strategy's shards (ZeRO-3): reading them whole is an error until set
+    optimizer: Optimizer  # mlxdist's (`train.optimizer`); a task's own, where it brings one, is the engine's affair
 
     # -- the step ------------------------------------------------------------------
     def micro_step(self, batch: Batch) -> None:
@@ -163,7 +168,7 @@ class Engine(Protocol):
         """This rank's accumulated gradients; the accumulators start afresh."""
 
     def apply_gradients(self, grads: list, loss_sum: float, count: int, lr: float) -> StepStats:
-        """Divide the (summed) gradients by `count`, check they are finite, clip, apply AdamW.
+        """Divide the (summed) gradients by `count`, check they are finite, clip, apply the optimizer.
         A non-finite loss or norm skips the update (`StepStats.skipped`)."""
 
     def discard_gradients(self) -> None:
@@ -191,12 +196,13 @@ class Engine(Protocol):
     def set_weights(self, weights: dict[str, np.ndarray]) -> None: ...
 
     def get_optimizer_state(self) -> tuple[dict[str, np.ndarray], int]:
-        """AdamW moments as `m.<param>` / `v.<param>` fp32 arrays, and the update count."""
+        """The optimizer's state as `<state name>.<param>` fp32 arrays (AdamW: `m.`, `v.`; Lion:
+        `m.`), and the update count."""
 
     def set_optimizer_state(self, state: dict[str, np.ndarray], step: int) -> None: ...
 
     def shard_ops(self) -> ShardOps:
-        """What sharding mlxdist's AdamW over ranks needs (`sync/sharded.py`)."""
+        """What sharding mlxdist's optimizer over ranks needs (`sync/sharded.py`)."""
 
     def weight_checksum(self) -> int:
         """Bit-exact fingerprint of this rank's weights (equal on all ranks iff they agree)."""

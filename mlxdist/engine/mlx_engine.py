@@ -1,6 +1,6 @@
-"""The MLX engine: one rank's forward/backward and AdamW update.
+"""The MLX engine: one rank's forward/backward and its optimizer's update (`mlxdist.optim`).
 
-Master weights and AdamW moments stay fp32; with `model.dtype` bf16/fp16 the forward pass
+Master weights and optimizer state stay fp32; with `model.dtype` bf16/fp16 the forward pass
 runs on a cast copy, and the cast's gradient brings fp32 gradients back for free. Only the
 trainable parameters (all of them, or the adapters of a fine-tune) are held here, synced
 and saved; a frozen base stays inside the module.
@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..config import Config
 from ..models.build import built_from_task
 from ..models.weights import checksum
+from ..optim import check_state, make_optimizer, mlx_ops
 from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from ..tasks.metrics import MetricSums, split_loss
@@ -47,21 +48,6 @@ def _pairs(totals: dict, counts: dict) -> dict:
     return {n: (t, counts.get(n)) for n, t in totals.items()}
 
 
-def adamw(p, m, v, g, decay, scalars, hp):
-    """mlxdist's AdamW step (bias-corrected, decoupled decay where `decay`: a bool, or a mask of
-    p's shape) on arrays of any shape; `scalars` = (lr, 1 - beta1^t, 1 - beta2^t, clip
-    coefficient), `hp` = (beta1, beta2, eps, weight decay). The engine applies it per
-    parameter, the sharded strategy (`sync/sharded.py`) to its flat range: one formula."""
-    lr, bc1, bc2, coef = scalars[0], scalars[1], scalars[2], scalars[3]
-    beta1, beta2, eps, wd = hp
-    g = g * coef
-    m = beta1 * m + (1 - beta1) * g
-    v = beta2 * v + (1 - beta2) * mx.square(g)
-    p = mx.where(decay, p * (1 - lr * wd), p)
-    p = p - lr * (m / bc1) / (mx.sqrt(v / bc2) + eps)
-    return p, m, v
-
-
 class MLXEngine(HoldsBatches):
     name = "mlx"
 
@@ -81,12 +67,13 @@ class MLXEngine(HoldsBatches):
         self.names = sorted(built.params)
         self.trained_names = self.names
         self.params: dict[str, mx.array] = {k: v.astype(mx.float32) for k, v in built.params.items()}
-        self.m = {k: mx.zeros_like(v) for k, v in self.params.items()}
-        self.v = {k: mx.zeros_like(v) for k, v in self.params.items()}
+        self.optimizer = make_optimizer(cfg.train.optimizer, cfg.train)
+        # The optimizer's state by its names ("m", "v" for AdamW), each by parameter.
+        self.opt_state = {k: {n: mx.zeros_like(a) for n, a in self.params.items()} for k in self.optimizer.state_names}
         self.opt_step = 0
         self._decay = [decays(self.params[n].shape) for n in self.names]
         self._value_and_grad = mx.value_and_grad(self._loss)
-        self._adamw = mx.compile(self._adamw_update)
+        self._update = mx.compile(self._update_all)
         self.own_optimizer = self._make_optimizer(task)
         self._reset_accumulators()
         self._touched: set[str] = set()
@@ -112,7 +99,7 @@ class MLXEngine(HoldsBatches):
                             "and set train.schedule / train.lr, which scale it each step")
         opt.init(tree_unflatten(list(self.params.items())))
         self._base_lr = float(opt.learning_rate)
-        self.m, self.v = {}, {}  # AdamW's moments: not used
+        self.opt_state = {}  # mlxdist's optimizer: not used
         return opt
 
     # -- math -------------------------------------------------------------------------
@@ -135,12 +122,11 @@ class MLXEngine(HoldsBatches):
         counts = {n: mx.array(c, mx.float32) for n, (_, c) in metrics.items() if c is not None}
         return check_scalar(loss, self.task_name).astype(mx.float32), totals, counts
 
-    def _adamw_update(self, params, m, v, grads, scalars):
-        c = self.cfg.train
-        hp = (c.beta1, c.beta2, c.eps, c.weight_decay)
-        out = [adamw(p, mi, vi, g, decay, scalars, hp)
-               for p, mi, vi, g, decay in zip(params, m, v, grads, self._decay, strict=True)]
-        return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
+    def _update_all(self, params, states, grads, scalars):
+        """The optimizer's update of each parameter (compiled as one: `states` per parameter)."""
+        out = [self.optimizer.update(mlx_ops, p, g, st, scalars, decay)
+               for p, st, g, decay in zip(params, states, grads, self._decay, strict=True)]
+        return [o[0] for o in out], [o[1] for o in out]
 
     @staticmethod
     def _arrays(data):
@@ -198,13 +184,13 @@ class MLXEngine(HoldsBatches):
         if self.own_optimizer is not None:
             return self._own_update(grads, coef, lr, stats)
         t = self.opt_step + 1
-        scalars = mx.array([lr, 1 - self.cfg.train.beta1**t, 1 - self.cfg.train.beta2**t, coef])
-        p, m, v = self._adamw([self.params[n] for n in self.names], [self.m[n] for n in self.names],
-                              [self.v[n] for n in self.names], grads, scalars)
+        keys = self.optimizer.state_names
+        p, states = self._update([self.params[n] for n in self.names],
+                                 [tuple(self.opt_state[k][n] for k in keys) for n in self.names], grads,
+                                 mx.array(self.optimizer.scalars(lr, t, coef)))
         self.params = dict(zip(self.names, p, strict=True))
-        self.m = dict(zip(self.names, m, strict=True))
-        self.v = dict(zip(self.names, v, strict=True))
-        mx.eval(self.params, self.m, self.v)
+        self.opt_state = {k: {n: st[i] for n, st in zip(self.names, states, strict=True)} for i, k in enumerate(keys)}
+        mx.eval(self.params, self.opt_state)
         self.opt_step = t
         return stats
 
@@ -343,9 +329,8 @@ class MLXEngine(HoldsBatches):
     def get_optimizer_state(self) -> tuple[dict[str, np.ndarray], int]:
         if self.own_optimizer is not None:  # the task's own: its state tree, flattened
             return {f"opt0.{k}": np.array(v) for k, v in tree_flatten(self.own_optimizer.state)}, self.opt_step
-        state = {f"m.{k}": np.array(v) for k, v in self.m.items()}
-        state |= {f"v.{k}": np.array(v) for k, v in self.v.items()}
-        return state, self.opt_step
+        return {f"{k}.{n}": np.array(a) for k, arrays in self.opt_state.items() for n, a in arrays.items()}, \
+            self.opt_step
 
     def set_optimizer_state(self, state: dict[str, np.ndarray], step: int) -> None:
         if self.own_optimizer is not None:
@@ -353,8 +338,8 @@ class MLXEngine(HoldsBatches):
             self.own_optimizer.state = tree_unflatten(mine)
             self.opt_step = int(step)
             return
-        self.m = {n: mx.array(state[f"m.{n}"]) for n in self.names}
-        self.v = {n: mx.array(state[f"v.{n}"]) for n in self.names}
+        check_state(self.optimizer, self.names, state)
+        self.opt_state = {k: {n: mx.array(state[f"{k}.{n}"]) for n in self.names} for k in self.optimizer.state_names}
         self.opt_step = int(step)
 
     def shard_ops(self) -> MLXShardOps:
@@ -433,7 +418,8 @@ class MLXEngine(HoldsBatches):
     def describe(self) -> str:
         from ..blas import status
 
-        opt = f"; optimizer {type(self.own_optimizer).__name__} (the task's)" if self.own_optimizer is not None else ""
+        opt = (f"; optimizer {type(self.own_optimizer).__name__} (the task's)" if self.own_optimizer is not None
+               else f"; optimizer {self.optimizer.title}")
         return (f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}; "
                 f"{self._limit()[1]}{opt}")
 
@@ -443,15 +429,16 @@ _NOTHING = mx.zeros((0,), mx.float32)
 
 class MLXShardOps(StagedShardOps):
     """`engine.base.ShardOps` for the MLX engine, whose layout is checkpoint layout. The update
-    is `adamw` above, compiled once for a flat shard, its decay a mask over the shard's pieces."""
+    is the engine's optimizer's (`mlxdist.optim`), compiled once for a flat shard, its decay a
+    mask over the shard's pieces."""
 
     def __init__(self, engine: MLXEngine):
         self.engine = engine
         self.names = list(engine.names)
         self.shapes = [tuple(engine.params[n].shape) for n in self.names]
-        c = engine.cfg.train
-        hp = (c.beta1, c.beta2, c.eps, c.weight_decay)
-        self._update = mx.compile(lambda p, m, v, g, decay, scalars: adamw(p, m, v, g, decay, scalars, hp))
+        self.optimizer = engine.optimizer
+        opt = self.optimizer
+        self._update = mx.compile(lambda p, state, g, decay, scalars: opt.update(mlx_ops, p, g, state, scalars, decay))
         self._mask: tuple = (None, None)  # (pieces, their decay mask): built once per shard
 
     def flat(self, index: int, grad: mx.array) -> np.ndarray:
@@ -482,16 +469,13 @@ class MLXShardOps(StagedShardOps):
             self._mask = (pieces, mx.array(mask))
         return self._mask[1]
 
-    def adamw(self, p, m, v, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
-        c = self.engine.cfg.train
-        scalars = mx.array([lr, 1 - c.beta1**t, 1 - c.beta2**t, coef])
-        p, m, v = self._update(p, m, v, g, self._decay(pieces), scalars)
-        mx.eval(p, m, v)
-        return p, m, v
-
+    def update(self, p, state: tuple, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
+        p, state = self._update(p, tuple(state), g, self._decay(pieces), mx.array(self.optimizer.scalars(lr, t, coef)))
+        mx.eval(p, state)
+        return p, state
 
     def drop_moments(self, step: int) -> None:
         """Lazy zeros: never evaluated, so no memory."""
-        lazy = {f"{k}.{n}": mx.zeros(s, mx.float32) for k in ("m", "v") for n, s in zip(self.names, self.shapes,
-                                                                                          strict=True)}
+        lazy = {f"{k}.{n}": mx.zeros(s, mx.float32) for k in self.optimizer.state_names
+                for n, s in zip(self.names, self.shapes, strict=True)}
         self.engine.set_optimizer_state(lazy, step)

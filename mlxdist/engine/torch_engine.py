@@ -3,8 +3,9 @@
 Why it exists: the same config and checkpoints can be trained on an NVIDIA box or a
 single Mac through torch, and compared number-for-number with the MLX engine. For that
 the two must share parameter names, initial weights, the summed-loss gradient
-convention of `base.py`, and AdamW math (decoupled decay on ndim >= 2 parameters,
-bias-corrected moments stored as `m.<param>` / `v.<param>`).
+convention of `base.py`, and the optimizer's math (`mlxdist.optim`, written once: decoupled
+decay on ndim >= 2 parameters, state stored as `m.<param>` / `v.<param>` for AdamW), run here
+over all parameters at once (`optim.torch_ops.Many`, one `torch._foreach_*` call an operation).
 
 Speed knobs and their defaults (each printed by `describe()`):
   * TF32 matmuls/convolutions on CUDA: on, because the master weights and optimizer stay
@@ -32,6 +33,7 @@ from ..config import Config
 from ..models.build import built_from_task
 from ..models.presets import ModelArgs
 from ..models.weights import checksum
+from ..optim import check_state, make_optimizer, torch_ops
 from ..tasks import Batch, Task, TaskContext, sample_seeds_of, tree_map
 from ..tasks.lm import lm_model
 from ..tasks.metrics import MetricSums, split_loss
@@ -214,10 +216,16 @@ class TorchEngine(HoldsBatches):
         # variable-length sampling never triggers recompiles.
         self._forward = torch.compile(self.model) if self.compiled else self.model
 
-        self.fused = self.device_type == "cuda"
+        self.optimizer = make_optimizer(cfg.train.optimizer, cfg.train)
+        self._decay = [decays(tuple(p.shape)) for p in self._params]
+        # The optimizer's state by its names, each a list in `_names` order; None: zeros, not
+        # allocated yet (a fresh run; a sharded run, whose shards hold it).
+        self._opt_state: dict[str, list[torch.Tensor]] | None = None
         self.optimizers, self.own_optimizer = self._make_optimizers(task), task.optimizer is not None
         # Each group's learning rate as built: the schedule scales it by schedule(step) / train.lr.
         self._base_lrs = [[g["lr"] for g in o.param_groups] for o in self.optimizers]
+        # fp16's GradScaler unscales gradients through a torch optimizer; mlxdist's steps itself.
+        self._unscaled = self.optimizers or [_GradCarrier(self._params)]
         self._updates = 0
 
         self.scaler: torch.amp.GradScaler | None = None
@@ -252,15 +260,9 @@ class TorchEngine(HoldsBatches):
 
     # ---------------------------------------------------------------- helpers
     def _make_optimizers(self, task: Task) -> list[torch.optim.Optimizer]:
-        """mlxdist's AdamW (decoupled decay on >= 2-D parameters, as the MLX engine), or the
-        task's own."""
-        t = self.cfg.train
+        """The task's own optimizers; none for mlxdist's (`self.optimizer`)."""
         if task.optimizer is None:
-            decay = [p for p in self._params if decays(tuple(p.shape))]
-            no_decay = [p for p in self._params if not decays(tuple(p.shape))]
-            return [torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}],
-                                      lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, fused=self.fused or None)]
+            return []
         opts = task_optimizers(task, self.model, torch.optim.Optimizer, "a torch.optim.Optimizer (or a list of them)")
         covered = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
         idle = [n for n, p in zip(self._names, self._params, strict=True) if id(p) not in covered]
@@ -309,7 +311,7 @@ class TorchEngine(HoldsBatches):
             f"torch {torch.__version__} on {self.device} ({self.device_reason}); "
             f"dtype {amp}, fp32 master weights; compile {comp}; tf32 {tf32}; "
             + (f"optimizer {self._describe_optimizers()} (the task's)" if self.own_optimizer
-               else f"AdamW{' fused' if self.fused else ''}")
+               else f"optimizer {self.optimizer.title} (multi-tensor)")
         )
 
     def _describe_optimizers(self) -> str:
@@ -405,23 +407,16 @@ class TorchEngine(HoldsBatches):
         return t.reshape(like.shape).contiguous()
 
     def get_optimizer_state(self) -> tuple[dict[str, np.ndarray], int]:
-        """mlxdist's AdamW as `m.<param>` / `v.<param>` (the MLX engine's names, so the two load
-        each other's checkpoints); a task's own optimizers as `opt<i>.<param>.<key>`."""
+        """mlxdist's optimizer's state as `<state name>.<param>` (the MLX engine's names, so the
+        two load each other's checkpoints); a task's own optimizers as `opt<i>.<param>.<key>`."""
         if self.own_optimizer:
             return self._own_optimizer_state(), self._updates
         out: dict[str, np.ndarray] = {}
-        step = self._updates  # the count kept while sharded (`TorchShardOps.drop_moments`): no state then
-        opt = self.optimizers[0]
-        for name, p in zip(self._names, self._params, strict=True):
-            st = opt.state.get(p, {})
-            if "exp_avg" in st:
-                out[f"m.{name}"] = _ours(name, _to_numpy(st["exp_avg"]))
-                out[f"v.{name}"] = _ours(name, _to_numpy(st["exp_avg_sq"]))
-                step = int(float(st["step"]))
-            else:
-                out[f"m.{name}"] = _ours(name, np.zeros(tuple(p.shape), np.float32))
-                out[f"v.{name}"] = _ours(name, np.zeros(tuple(p.shape), np.float32))
-        return out, step
+        for k in self.optimizer.state_names:
+            for i, name in enumerate(self._names):
+                a = np.zeros(self._shapes[name], np.float32) if self._opt_state is None else _to_numpy(self._opt_state[k][i])
+                out[f"{k}.{name}"] = _ours(name, a)
+        return out, self._updates
 
     def _param_names(self) -> dict[int, str]:
         return {id(t): n for n, t in self.model.state_dict(keep_vars=True).items()}
@@ -440,22 +435,11 @@ class TorchEngine(HoldsBatches):
             self._set_own_optimizer_state(state)
             self._updates = int(step)
             return
-        missing = [n for n in self._names if f"m.{n}" not in state or f"v.{n}" not in state]
-        if missing:
-            raise ValueError(f"set_optimizer_state: no moments for {missing[:5]}")
-        opt = self.optimizers[0]
+        check_state(self.optimizer, self._names, state)
         self._updates = int(step)
-        for name, p in zip(self._names, self._params, strict=True):
-            # torch keeps `step` as a float tensor: on the device for fused/capturable AdamW,
-            # on the CPU otherwise (it reads it with .item() for the bias correction).
-            step_t = torch.tensor(
-                float(step), dtype=torch.float32, device=self.dev if self.fused else "cpu"
-            )
-            opt.state[p] = {
-                "step": step_t,
-                "exp_avg": self._from_numpy(_ours(name, state[f"m.{name}"]), p),
-                "exp_avg_sq": self._from_numpy(_ours(name, state[f"v.{name}"]), p),
-            }
+        self._opt_state = {k: [self._from_numpy(_ours(n, state[f"{k}.{n}"]), p)
+                               for n, p in zip(self._names, self._params, strict=True)]
+                           for k in self.optimizer.state_names}
 
     def _set_own_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
         tensors = self.model.state_dict(keep_vars=True)
@@ -482,6 +466,12 @@ class TorchEngine(HoldsBatches):
     def trained_params(self) -> list[torch.Tensor]:
         """The trained parameters, in `trained_names` order (the shard ops update them in place)."""
         return self._params
+
+    def drop_optimizer_state(self, step: int) -> None:
+        """Let go of mlxdist's optimizer state (a strategy's shards hold it) and keep `step` as
+        the update count; `set_optimizer_state` brings it back."""
+        self._opt_state = None
+        self._updates = int(step)
 
     @property
     def updates(self) -> int:
@@ -539,24 +529,18 @@ class TorchEngine(HoldsBatches):
                     p.grad = g.to(p.device).reshape(p.shape)
         grads = [p.grad for p in self._params if p.grad is not None]
         if self.scaler is not None:
-            for opt in self.optimizers:
+            for opt in self._unscaled:
                 self.scaler.unscale_(opt)
         torch._foreach_mul_(grads, 1.0 / max(count, 1))
         grad_norm = float(torch.nn.utils.get_total_norm(grads, 2.0))
         finite = np.isfinite(loss_sum) and np.isfinite(grad_norm)
         self.last_skip_overflow = False
         if finite:
-            clip = self.cfg.train.grad_clip
-            if clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(self._params, clip, torch.tensor(grad_norm))
-            scale = lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 0.0
-            for opt, base in zip(self.optimizers, self._base_lrs, strict=True):
-                for group, group_lr in zip(opt.param_groups, base, strict=True):
-                    group["lr"] = group_lr * scale
-                if self.scaler is not None:
-                    self.scaler.step(opt)
-                else:
-                    opt.step()
+            if self.own_optimizer:
+                self._own_step(lr, grad_norm)
+            else:
+                clip = self.cfg.train.grad_clip
+                self._step(lr, min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0)
             if self.scaler is not None:
                 self.scaler.update()
             self._updates += 1
@@ -567,6 +551,32 @@ class TorchEngine(HoldsBatches):
             self.scaler.update()
         self._zero_grad()
         return StepStats(loss_sum=loss_sum, tokens=count, grad_norm=grad_norm, skipped=not finite)
+
+    def _own_step(self, lr: float, grad_norm: float) -> None:
+        clip = self.cfg.train.grad_clip
+        if clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self._params, clip, torch.tensor(grad_norm))
+        scale = lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 0.0
+        for opt, base in zip(self.optimizers, self._base_lrs, strict=True):
+            for group, group_lr in zip(opt.param_groups, base, strict=True):
+                group["lr"] = group_lr * scale
+            if self.scaler is not None:
+                self.scaler.step(opt)
+            else:
+                opt.step()
+
+    @torch.no_grad()
+    def _step(self, lr: float, coef: float) -> None:
+        """mlxdist's optimizer over every parameter at once (a parameter no batch reached has a
+        zero gradient, as on the MLX engine)."""
+        opt, keys, Many = self.optimizer, self.optimizer.state_names, torch_ops.Many
+        if self._opt_state is None:
+            self._opt_state = {k: [torch.zeros_like(p) for p in self._params] for k in keys}
+        grads = Many([torch.zeros_like(p) if p.grad is None else p.grad for p in self._params])
+        _, state = opt.update(torch_ops, Many([p.detach() for p in self._params]), grads,
+                              tuple(Many(self._opt_state[k]) for k in keys),
+                              opt.scalars(lr, self._updates + 1, coef), self._decay)
+        self._opt_state = {k: st.items for k, st in zip(keys, state, strict=True)}  # updated in place
 
     def _zero_grad(self) -> None:
         for p in self._params:
@@ -703,21 +713,30 @@ class TorchEngine(HoldsBatches):
                              temperature, seed, context or self.cfg.data.seq_len, stop, on_token)
 
 
+class _GradCarrier(torch.optim.Optimizer):
+    """What the fp16 GradScaler unscales the gradients through (it takes a torch optimizer);
+    mlxdist's optimizer makes the step, never this."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        raise RuntimeError("_GradCarrier only carries gradients to the GradScaler; it never steps")
+
+
 class TorchShardOps(StagedShardOps):
     """`engine.base.ShardOps` for the torch engine. LoRA factors turn to checkpoint layout on
     the way out (gradients, weights) and back in `set_weights`/`set_optimizer_state`. The
-    update is torch's own functional AdamW, what `torch.optim.AdamW.step` runs, with the
-    engine optimizer's foreach/fused settings, called on views of the shard's pieces, decayed
-    ones and undecayed ones apart as the engine's two parameter groups: every element gets the
-    arithmetic of the unsharded run."""
+    update is the engine's optimizer's formula (`mlxdist.optim`) on the flat shard, its decay a
+    mask over the pieces: every element gets the arithmetic of the unsharded run."""
 
     def __init__(self, engine: TorchEngine):
         self.engine = engine
         self.names = list(engine.trained_names)
         self.shapes = [tuple(p.shape)[::-1] if flipped(n) else tuple(p.shape)
                        for n, p in zip(self.names, engine.trained_params, strict=True)]
-        group = engine.optimizers[0].param_groups[0]
-        self._how = {k: group.get(k) for k in ("foreach", "fused", "capturable", "differentiable")}
+        self.optimizer = engine.optimizer
+        self._mask: tuple = (None, None)  # (pieces, their decay mask): built once per shard
 
     def _ours(self, index: int, t: torch.Tensor) -> torch.Tensor:
         return t.T if flipped(self.names[index]) else t
@@ -749,29 +768,18 @@ class TorchShardOps(StagedShardOps):
         sums = torch.stack([g[s].square().sum() for s in self._cuts(pieces)])
         return float(sums.cpu().double().sum())  # float64 on the CPU: MPS has none
 
+    def _decay(self, pieces: tuple[Piece, ...]) -> torch.Tensor:
+        if self._mask[0] is not pieces:
+            mask = torch.zeros(sum(pc.end - pc.start for pc in pieces), dtype=torch.bool)
+            for s, pc in zip(self._cuts(pieces), pieces, strict=True):
+                mask[s] = decays(self.shapes[pc.index])
+            self._mask = (pieces, mask.to(self.engine.dev))
+        return self._mask[1]
+
     @torch.no_grad()
-    def adamw(self, p, m, v, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
-        from torch.optim.adamw import adamw
-
-        e, c = self.engine, self.engine.cfg.train
-        if coef != 1.0:
-            g = g * coef
-        lr = c.lr * (lr / c.lr) if c.lr > 0 else 0.0  # as the engine scales its groups' learning rate
-        on_device = self._how["fused"] or self._how["capturable"]
-        for decay in (True, False):
-            cuts = [s for s, pc in zip(self._cuts(pieces), pieces, strict=True)
-                    if decays(self.shapes[pc.index]) == decay]
-            if not cuts:
-                continue
-            # One step count per piece, as torch keeps one per parameter: the call adds 1 to each.
-            steps = [torch.tensor(float(t - 1), dtype=torch.float32, device=e.dev if on_device else "cpu")
-                     for _ in cuts]
-            adamw([p[s] for s in cuts], [g[s] for s in cuts], [m[s] for s in cuts], [v[s] for s in cuts], [],
-                  steps, **self._how, amsgrad=False, beta1=c.beta1, beta2=c.beta2, lr=lr,
-                  weight_decay=c.weight_decay if decay else 0.0, eps=c.eps, maximize=False)
-        return p, m, v
-
+    def update(self, p, state: tuple, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
+        opt = self.optimizer
+        return opt.update(torch_ops, p, g, tuple(state), opt.scalars(lr, t, coef), self._decay(pieces))
 
     def drop_moments(self, step: int) -> None:
-        self.engine.optimizers[0].state.clear()
-        self.engine.updates = int(step)
+        self.engine.drop_optimizer_state(step)

@@ -204,7 +204,8 @@ class FullyShardedDataParallel(ShardedDataParallel):
         self.ops.hold_batches()
 
     def describe(self) -> str | None:
-        line = (super().describe().replace("AdamW state of", "weights, gradients and AdamW state of")
+        line = (super().describe().replace(f"{self.optimizer.title} state of",
+                                              f"weights, gradients and {self.optimizer.title} state of")
                 + f"; {len(self.stages)} stages, gathered one at a time; no weight-drift check (one copy of "
                 "each weight)")
         if self.cfg.model.grad_checkpoint_every:

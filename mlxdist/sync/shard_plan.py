@@ -53,9 +53,10 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], l
 
 
 def optimizer_state_bytes(engine: Engine, sync, rank: int) -> int | None:
-    """AdamW state (m and v, fp32: 8 bytes a trained parameter) this rank holds: its shard's
-    under `dist.shard` (the strategy's `optimizer_state_bytes`), else all of it (data parallel, DiLoCo's
-    inner optimizer, one rank). None for a task's own optimizer: its state is the task's."""
+    """Optimizer state (fp32: AdamW 8 bytes a trained parameter, Lion 4) this rank holds: its
+    shard's under `dist.shard` (the strategy's `optimizer_state_bytes`), else all of it (data
+    parallel, DiLoCo's inner optimizer, one rank). None for a task's own optimizer: its state is
+    the task's."""
     if engine.capabilities.own_optimizer:
         return None
     return int(sync.optimizer_state_bytes(engine, rank))

@@ -1,7 +1,8 @@
 """Sharded data parallel (`dist.shard=optimizer`, ZeRO-1; `dist.shard=gradients`, ZeRO-2), both
 engines.
 
-Every rank computes on its own samples as in data parallel, but AdamW's moments are split:
+Every rank computes on its own samples as in data parallel, but the optimizer's state (AdamW's
+moments m, v; Lion's m: `mlxdist.optim`) is split:
 the trainable parameters, flattened in the engine's order (in checkpoint layout) into one
 fp32 vector of N elements, are cut into contiguous ranges, rank r owning [a_r, b_r). The
 ranges are sized to each rank's memory budget (memory limit x memory_target: the run plan's
@@ -14,19 +15,19 @@ holds more of the optimizer state than a 16 GB MacBook. A step:
 2. loss, count and metrics are all-reduced as in data parallel, the shard divided by the
    cluster's count; the global gradient norm comes from the shards' squared norms;
 3. a non-finite loss or norm skips the update (as the engine does); otherwise each rank
-   clips by `train.grad_clip` and applies the engine's exact AdamW (same formula, bias
-   correction, decay only on >= 2-D parameters) to its range, with its m, v (fp32) for that
-   range only;
+   clips by `train.grad_clip` and applies the engine's optimizer (`mlxdist.optim`: the
+   formula data parallel runs, decay only on >= 2-D parameters) to its range, with its state
+   (fp32) for that range only;
 4. the updated ranges are all-gathered and every rank sets the whole model.
 
 One sharding for both engines: each lends a few operations (`engine.shard_ops()`,
 `engine.base.ShardOps`) that keep the math on its own device (MLX, or torch on MPS/CUDA/CPU),
 and only flat numpy crosses between ranks, through the transport (`cluster/transport.py`,
-any `dist.backend`), so the exchange knows no framework. Each engine's shard update is its own unsharded update,
-element for element (MLX: `mlx_engine.adamw`; torch: the functional AdamW that
-`torch.optim.AdamW` runs): that is what makes a sharded run equal data parallel on either
-engine. The flat vector is in checkpoint layout (the torch engine holds LoRA factors
-transposed), so gathered moments are the checkpoint's `m.<param>`/`v.<param>` as they are.
+any `dist.backend`), so the exchange knows no framework. Each engine's shard update is its own
+unsharded update, element for element (the optimizer's `update`, written once in
+`mlxdist.optim`): that is what makes a sharded run equal data parallel on either engine. The
+flat vector is in checkpoint layout (the torch engine holds LoRA factors transposed), so
+gathered state is the checkpoint's `m.<param>`/`v.<param>` as it is.
 
 On the wire this is what data parallel sends: an all-reduce is a reduce-scatter followed by
 an all-gather; here the all-gather carries new weights instead of summed gradients (between
@@ -90,7 +91,7 @@ def check_shardable(cfg: Config, world: World, engine: Engine, shard: str | None
         raise world.agreed_error(f"dist.shard={shard} shards data parallel's optimizer; dist.mode=diloco keeps "
                              "each rank's own optimizer: set dist.shard=none")
     if engine.capabilities.own_optimizer:
-        raise world.agreed_error(f"dist.shard={shard} shards mlxdist's AdamW; this task brings its own optimizer "
+        raise world.agreed_error(f"dist.shard={shard} shards mlxdist's optimizer; this task brings its own optimizer "
                              "(Task.optimizer): drop it or set dist.shard=none")
     if engine.capabilities.loss_scaling:
         raise world.agreed_error(f"dist.shard={shard}: model.dtype=float16 on the torch engine scales the loss "
@@ -132,7 +133,8 @@ class ShardedDataParallel(DataParallel):
         self.bucket = max(1, int(cfg.dist.bucket_mb * MB / 4))
         self.writes = world.allgather(world.rank == 0 or (cfg.checkpoint.on_every_host and world.local_rank == 0))
         self.pieces = tuple(Piece(i, a, b, self.offsets[i] + a - self.lo) for i, _, a, b in self._mine())
-        self.m, self.v = self._zeros(), self._zeros()
+        self.optimizer = self.ops.optimizer
+        self.state = tuple(self._zeros() for _ in self.optimizer.state_names)  # this range of each
         self.t = 0
         self._full: np.ndarray | None = None  # the all-gather's buffer, as data parallel's reducer keeps its own
         self.transport = transport
@@ -163,14 +165,15 @@ class ShardedDataParallel(DataParallel):
                 for i, n in enumerate(self.names)}
 
     def shard_bytes(self) -> list[int]:
-        """Bytes of AdamW state (m and v, fp32) each rank holds."""
-        return [8 * c for c in self.counts]
+        """Bytes of optimizer state (fp32) each rank holds."""
+        return [self.optimizer.state_bytes * c for c in self.counts]
 
     def optimizer_state_bytes(self, engine: Engine, rank: int) -> int:
         return self.shard_bytes()[rank]
 
     def describe(self) -> str | None:
-        share = ", ".join(f"rank {r} {c} ({c / max(self.total, 1):.0%}) {8 * c / MB:.3g} MB"
+        per = self.optimizer.state_bytes
+        share = ", ".join(f"rank {r} {c} ({c / max(self.total, 1):.0%}) {per * c / MB:.3g} MB"
                           for r, c in enumerate(self.counts))
         how = "in equal shards (dist.shard_split=equal)" if self.cfg.dist.shard_split == "equal" \
             else "by memory budget"
@@ -178,8 +181,9 @@ class ShardedDataParallel(DataParallel):
                                                         self.codec.wire_dtype)
         if self.wire != "float32":
             wire += f", gradients {self.wire} on the wire (weights fp32)"
-        return (f"sharded data parallel, {LEVELS[self.level]} (dist.shard={self.level}): AdamW state of "
-                f"{self.total} parameters {how}: {share} (data parallel: {8 * self.total / MB:.3g} "
+        return (f"sharded data parallel, {LEVELS[self.level]} (dist.shard={self.level}): "
+                f"{self.optimizer.title} state of {self.total} parameters {how}: {share} (data parallel: "
+                f"{per * self.total / MB:.3g} "
                 f"MB on every rank){wire}")
 
     # -- collectives ------------------------------------------------------------------
@@ -262,7 +266,7 @@ class ShardedDataParallel(DataParallel):
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         t = self.t + 1
-        p, self.m, self.v = self.ops.adamw(self._shard_weights(), self.m, self.v, g, self.pieces, lr, t, coef)
+        p, self.state = self.ops.update(self._shard_weights(), self.state, g, self.pieces, lr, t, coef)
         del g
         stats.sync_seconds, stats.sync_bytes = self._publish(engine, p)
         self.t = t
@@ -288,27 +292,28 @@ class ShardedDataParallel(DataParallel):
 
     # -- checkpoints ------------------------------------------------------------------
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
-        """Gather the moments to every checkpoint writer and hand them to its engine, which
-        saves them as data parallel's `m.<param>`/`v.<param>`; dropped again at the next step."""
-        m, v = self.ops.numpy(self.m), self.ops.numpy(self.v)
+        """Gather the optimizer state to every checkpoint writer and hand it to its engine, which
+        saves it as data parallel's `m.<param>`/...; dropped again at the next step."""
+        mine = [self.ops.numpy(a) for a in self.state]
         for root, writes in enumerate(self.writes):
             if not writes:
                 continue
-            full_m, full_v = self._gather(m, root), self._gather(v, root)
+            full = [self._gather(a, root) for a in mine]
             if root == self.world.rank:
-                engine.set_optimizer_state(self._unflatten(full_m, "m.") | self._unflatten(full_v, "v."), self.t)
+                engine.set_optimizer_state({k: v for name, a in zip(self.optimizer.state_names, full, strict=True)
+                                            for k, v in self._unflatten(a, f"{name}.").items()}, self.t)
         return []
 
     def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
                         optimizer_step: int) -> list[Decision]:
-        """Every rank holds the checkpoint's whole moments now (rank 0's, broadcast): keep
+        """Every rank holds the checkpoint's whole optimizer state now (rank 0's, broadcast): keep
         this rank's range, drop the engine's copy. A fresh run: zeros."""
         state, count = engine.get_optimizer_state()  # count: the checkpoint's, or 0
-        if any(f"{k}.{n}" not in state for k in ("m", "v") for n in self.names):
-            self.m, self.v = self._zeros(), self._zeros()
+        keys = self.optimizer.state_names
+        if any(f"{k}.{n}" not in state for k in keys for n in self.names):
+            self.state = tuple(self._zeros() for _ in keys)
         else:
-            self.m = self.ops.array(self._slice({n: state[f"m.{n}"] for n in self.names}))
-            self.v = self.ops.array(self._slice({n: state[f"v.{n}"] for n in self.names}))
+            self.state = tuple(self.ops.array(self._slice({n: state[f"{k}.{n}"] for n in self.names})) for k in keys)
         del state
         self.t = int(count)
         self.ops.drop_moments(self.t)

@@ -98,8 +98,9 @@ class Strategy(ABC):
         return engine.get_weights()
 
     def optimizer_state_bytes(self, engine: Engine, rank: int) -> int:
-        """Bytes of mlxdist's AdamW state (m and v, fp32) `rank` holds: all of it by default."""
-        return 8 * int(sum(engine.gradient_sizes()))
+        """Bytes of mlxdist's optimizer state (fp32: `train.optimizer`'s) `rank` holds: all of it
+        by default."""
+        return engine.optimizer.state_bytes * int(sum(engine.gradient_sizes()))
 
     def state_dict(self, engine: Engine) -> dict[str, np.ndarray]:
         """Shared state for the run's checkpoint (identical on every rank)."""
