@@ -13,14 +13,16 @@ import numpy as np
 from ..cluster.world import World
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats
+from ..state import rank_state
 from ..tasks import Batch
 from ..tasks.metrics import MetricSums, means
 from .model_state import StateSync
+from .reducer import Reducer
 
 
 class DataParallel:
-    def __init__(self, world: World, reducer):
-        self.world, self.reducer = world, reducer
+    def __init__(self, world: World, reducer: Reducer, hosts: list[str] | None = None):
+        self.world, self.reducer, self.hosts = world, reducer, hosts or []
         self.drift_check = world.size > 1
         self.state_sync = StateSync(world)
 
@@ -70,11 +72,31 @@ class DataParallel:
         return {}
 
     def save_rank_state(self, root: Path, step: int, engine: Engine, keep: int) -> None:
-        pass
+        """The reducer's own state (a lossy wire's residuals), when it keeps any."""
+        if not self.reducer.keeps_rank_state:
+            return
+        w = self.world  # the update count is not read back: the residuals need none
+        rank_state.save(root, rank_state.RankStateInfo(step, w.rank, w.size, self.hosts, step),
+                        self.reducer.rank_state(), keep)
 
     def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
                         optimizer_step: int) -> list[Decision]:
-        return []
+        """The reducer's state from this rank's file of `step`, on every rank or on none (the
+        ranks must agree on what they send); a fresh run starts it afresh."""
+        if not self.reducer.keeps_rank_state:
+            return []
+        own, why = None, ""
+        if shared is not None:
+            try:
+                own = rank_state.load(root, step, self.world.rank, self.world.size, self.hosts)[0]
+            except rank_state.RankStateMissing as e:
+                why = str(e)
+        reasons = [r for r in self.world.allgather(why) if r]
+        self.reducer.load_rank_state(None if reasons else own)
+        if not reasons:
+            return []
+        return [Decision("wire_resume", f"dist.wire_dtype: the wire's error-feedback residuals restart at zero "
+                         f"({reasons[0]}): the rounding not yet sent before the checkpoint is dropped, once")]
 
     def close(self) -> None:
         pass

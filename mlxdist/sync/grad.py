@@ -15,12 +15,12 @@ import time
 import mlx.core as mx
 
 from ..cluster.collective import Collective
-from .reducer import SyncStats, Unreduced, plan_buckets
+from .reducer import Reducer, SyncStats, Unreduced, plan_buckets
 
 _WIRE = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-class GradSync:
+class GradSync(Reducer):
     def __init__(self, collective: Collective, bucket_mb: float = 25.0, wire_dtype: str = "float32"):
         self.collective = collective
         self.bucket_elems = max(1, int(bucket_mb * 2**20 / 4))

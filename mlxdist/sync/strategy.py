@@ -113,4 +113,4 @@ def make_strategy(cfg: Config, world: World, engine: Engine, reducer, hosts: lis
         return DiLoCoStrategy(cfg, world, engine, hosts)
     from .data_parallel import DataParallel
 
-    return DataParallel(world, reducer)
+    return DataParallel(world, reducer, hosts)

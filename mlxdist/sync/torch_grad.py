@@ -22,13 +22,13 @@ import torch
 
 from ..cluster.ring import RING_MIN_BYTES, NumpyAllReduce, bf16_bits, ring_allreduce
 from ..cluster.world import World
-from .reducer import SyncStats, plan_buckets
+from .reducer import Reducer, SyncStats, plan_buckets
 
 
-class TorchGradSync:
+class TorchGradSync(Reducer):
     def __init__(self, world: World, bucket_mb: float = 25.0, wire_dtype: str = "float32", overlap: bool = True):
-        if wire_dtype == "float16":
-            raise ValueError("dist.wire_dtype=float16: the torch engine sums float32 or bfloat16 on the wire")
+        if wire_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dist.wire_dtype={wire_dtype}: the torch engine sums float32 or bfloat16 on the wire")
         self.world, self.overlap = world, overlap
         self.summer = NumpyAllReduce(world)
         self.bucket_elems = max(1, int(bucket_mb * 2**20 / 4))

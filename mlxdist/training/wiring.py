@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..cluster.world import World, init_world, resolve_backend
 from ..config import Config, ConfigError
+from ..sync.compressed import QUANTIZED_WIRES, CompressedGradSync, MlxArrays, TorchArrays
 
 
 def make_world(name: str, cfg: Config, device: str = "auto") -> World:
@@ -24,6 +25,8 @@ def make_world(name: str, cfg: Config, device: str = "auto") -> World:
 def make_reducer(name: str, cfg: Config, world: World):
     """The data-plane sum of this engine's gradient arrays across ranks (`sync/grad.py`'s
     `all_sum` contract); the data-parallel strategy holds it and never asks which it is."""
+    if world.size > 1 and cfg.dist.wire_dtype in QUANTIZED_WIRES:
+        return CompressedGradSync.over(world, cfg.dist, TorchArrays() if name == "torch" else MlxArrays())
     if world.size > 1 and name == "torch":
         from ..sync.torch_grad import TorchGradSync
 
