@@ -21,6 +21,7 @@ BENCHMARKS = {
     "finetune": ("finetune", "main", False, "LoRA steps: ours vs mlx-lm and transformers + peft"),
     "generate": ("generate", "main", True, "mlxdist.generate vs mlx_lm.generate, tokens/s"),
     "shard": ("shard", "main", False, "sharded data parallel (ZeRO-1/2) vs data parallel: memory per rank, step time"),
+    "wire": ("wire", "main", False, "data parallel's int8 gradient wire (error feedback) vs fp32: step time, loss"),
     "checkpoint-io": ("checkpoint_io", "main", False, "checkpoint write/read: plain safetensors vs zstd"),
 }
 
