@@ -164,7 +164,7 @@ class DistConfig:
     wire_dtype: str = field(default="float32", metadata=_range(
         choices=("float32", "bfloat16", "float16", "int8", "int4"),
         help="data parallel's gradients on the wire: bfloat16/float16 half the bytes; int8/int4 a quarter/eighth, "
-             "blockwise with error feedback, all-gathered (pays on slow links, up to 7/15 ranks; docs/running-on-macs.md)"))
+             "blockwise with error feedback, all-gathered (for slow links, up to 7/15 ranks; docs/performance.md)"))
     sync_weights_every: int = field(default=50, metadata=_range(0))
     stall_timeout_s: float = field(default=120.0, metadata=_range(1.0))
     ring_connections: int = field(default=1, metadata=_range(1, 16))
