@@ -182,7 +182,10 @@ class DistConfig:
              "unequal shards make it 2 x (1 - the smallest share) of the gradients, equal ones 2 (n-1)/n)"))
     backend: str = field(default="auto", metadata=_range(choices=("auto", "mlx-mpi", "mlx-ring", "mlx-jaccl", "mpi4py")))
     bucket_mb: float = field(default=25.0, metadata=_range(0.01))
-    wire_dtype: str = field(default="float32", metadata=_range(choices=("float32", "bfloat16", "float16")))
+    wire_dtype: str = field(default="float32", metadata=_range(
+        choices=("float32", "bfloat16", "float16", "int8", "int4"),
+        help="data parallel's gradients on the wire: bfloat16/float16 half the bytes; int8/int4 a quarter/eighth, "
+             "blockwise with error feedback, all-gathered (for slow links, up to 7/15 ranks; docs/performance.md)"))
     sync_weights_every: int = field(default=50, metadata=_range(0))
     stall_timeout_s: float = field(default=120.0, metadata=_range(1.0))
     ring_connections: int = field(default=1, metadata=_range(1, 16))
@@ -514,6 +517,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.path: required when data.source is 'shards' (run `python -m mlxdist.prepare` first)")
     if cfg.dist.mode == "diloco":
         _validate_diloco(cfg.dist)
+    _validate_wire(cfg.dist)
     _validate_time_box(cfg)
     if cfg.control.min_batch > cfg.control.max_batch:
         raise ConfigError("control.min_batch: must not exceed control.max_batch")
@@ -554,6 +558,17 @@ def _validate_diloco(d: DistConfig) -> None:
     if d.overlap_steps >= d.inner_steps:
         raise ConfigError(f"dist.overlap_steps: {d.overlap_steps} must be below dist.inner_steps ({d.inner_steps}): "
                           "a fragment's sync must land before its next one starts")
+
+
+def _validate_wire(d: DistConfig) -> None:
+    if d.wire_dtype not in ("int8", "int4"):
+        return
+    if d.mode == "diloco":
+        raise ConfigError(f"dist.wire_dtype={d.wire_dtype}: DiLoCo sends no gradients; quantize its outer sync with "
+                          f"dist.outer_wire={d.wire_dtype} and leave dist.wire_dtype at float32")
+    if d.shard != "none":
+        raise ConfigError(f"dist.wire_dtype={d.wire_dtype}: only plain data parallel sends quantized gradients; "
+                          f"with dist.shard={d.shard} use float32, bfloat16 or float16, or set dist.shard=none")
 
 
 def _validate_time_box(cfg: Config) -> None:

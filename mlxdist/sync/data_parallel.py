@@ -4,19 +4,27 @@ is the case with no one to sum with. Every other hook is `Strategy`'s default.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+
 from ..cluster.world import World
 from ..config import Config
 from ..control.run_plan import RunPlan
+from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats
+from ..state import rank_state
 from ..tasks.metrics import means
 from .model_state import StateSync
+from .reducer import Reducer, Unreduced
 from .strategy import Strategy
 
 
 class DataParallel(Strategy):
-    def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer=None,
+    def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer: Reducer | None = None,
                  transport=None):
-        self.world, self.reducer = world, reducer
+        self.world, self.hosts = world, list(plan.hosts)
+        self.reducer = reducer if reducer is not None else Unreduced()
         self.drift_check = world.size > 1
         self.state_sync = StateSync(world)
 
@@ -34,3 +42,31 @@ class DataParallel(Strategy):
 
     def before_last_backward(self, engine: Engine) -> None:
         self.reducer.arm(engine)
+
+    def save_rank_state(self, root: Path, step: int, engine: Engine, keep: int) -> None:
+        """The reducer's own state (a lossy wire's residuals), when it keeps any."""
+        if not self.reducer.keeps_rank_state:
+            return
+        w = self.world  # the update count is not read back: the residuals need none
+        rank_state.save(root, rank_state.RankStateInfo(step, w.rank, w.size, self.hosts, step),
+                        self.reducer.rank_state(), keep)
+
+    def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
+                        optimizer_step: int) -> list[Decision]:
+        """The reducer's state from this rank's file of `step`, on every rank or on none (the
+        ranks must agree on what they send); a fresh run starts it afresh."""
+        if not self.reducer.keeps_rank_state:
+            return []
+        own, why = None, ""
+        if shared is not None:
+            try:
+                own = rank_state.load(root, step, self.world.rank, self.world.size, self.hosts)[0]
+            except rank_state.RankStateMissing as e:
+                why = str(e)
+        reasons = [r for r in self.world.allgather(why) if r]
+        self.reducer.load_rank_state(None if reasons else own)
+        if not reasons:
+            return []
+        return [Decision("wire_resume", f"dist.wire_dtype: the wire's error-feedback residuals restart at zero "
+                         f"({reasons[0]}): the rounding not yet sent before the checkpoint is dropped, once")]
+

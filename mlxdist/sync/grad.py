@@ -17,10 +17,10 @@ import mlx.core as mx
 
 from ..cluster.codec import make_codec
 from ..cluster.transport import Transport
-from .reducer import SyncStats, Unreduced, plan_buckets
+from .reducer import Reducer, SyncStats, Unreduced, plan_buckets
 
 
-class GradSync:
+class GradSync(Reducer):
     def __init__(self, transport: Transport, bucket_mb: float = 25.0, wire_dtype: str = "float32"):
         self.transport = transport
         self.bucket_elems = max(1, int(bucket_mb * 2**20 / 4))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class SyncStats:
@@ -31,11 +33,29 @@ def plan_buckets(sizes: list[int], bucket_elems: int) -> list[list[int]]:
     return buckets
 
 
-class Unreduced:
-    """One rank, or an engine whose arrays stay its own: the sum over ranks is the array."""
+class Reducer:
+    """The data plane's sum of a step's gradient arrays over the ranks, as data parallel holds
+    it. A reducer with state of its own (a lossy wire's error-feedback residuals) says so with
+    `keeps_rank_state`; data parallel then keeps that state in the rank's checkpoint file."""
+
+    keeps_rank_state = False
 
     def arm(self, engine) -> None:
         """Before a step's last backward (reducers that overlap start sending then)."""
+
+    def all_sum(self, arrays: list) -> tuple[list, SyncStats]:
+        raise NotImplementedError
+
+    def rank_state(self) -> dict[str, np.ndarray]:
+        """This rank's own state, for its rank file."""
+        return {}
+
+    def load_rank_state(self, arrays: dict[str, np.ndarray] | None) -> None:
+        """The state `rank_state` saved, or None: start afresh."""
+
+
+class Unreduced(Reducer):
+    """One rank, or an engine whose arrays stay its own: the sum over ranks is the array."""
 
     def all_sum(self, arrays: list) -> tuple[list, SyncStats]:
         return arrays, SyncStats()

@@ -23,14 +23,14 @@ import torch
 
 from ..cluster.codec import make_codec
 from ..cluster.transport import Transport
-from .reducer import SyncStats, plan_buckets
+from .reducer import Reducer, SyncStats, plan_buckets
 
 
-class TorchGradSync:
+class TorchGradSync(Reducer):
     def __init__(self, transport: Transport, bucket_mb: float = 25.0, wire_dtype: str = "float32",
                  overlap: bool = True):
-        if wire_dtype == "float16":
-            raise ValueError("dist.wire_dtype=float16: the torch engine sums float32 or bfloat16 on the wire")
+        if wire_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dist.wire_dtype={wire_dtype}: the torch engine sums float32 or bfloat16 on the wire")
         self.transport, self.overlap = transport, overlap
         self.bucket_elems = max(1, int(bucket_mb * 2**20 / 4))
         self.codec = make_codec(wire_dtype, "dist.wire_dtype", summable=True)

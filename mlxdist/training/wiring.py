@@ -6,9 +6,11 @@ The composition root's job, not the engine's (an engine knows no ranks) nor the 
 
 from __future__ import annotations
 
+from ..cluster.codec import make_codec
 from ..cluster.transport import Transport, make_transport
 from ..cluster.world import World, init_world, resolve_backend
 from ..config import Config, ConfigError
+from ..sync.compressed import CompressedGradSync, MlxArrays, TorchArrays
 
 
 def make_world(name: str, cfg: Config, device: str = "auto") -> World:
@@ -33,6 +35,9 @@ def make_reducer(name: str, cfg: Config, transport: Transport, wire: str):
     """The data-plane sum of this engine's gradient arrays across ranks (`sync/grad.py`'s
     `all_sum` contract) over `transport`, `wire` the run plan's gradient wire; the data-parallel
     strategy holds it and never asks which it is."""
+    if transport.size > 1 and not make_codec(wire, "dist.wire_dtype").summable:
+        return CompressedGradSync.over(transport, wire, cfg.dist.bucket_mb,
+                                       TorchArrays() if name == "torch" else MlxArrays())
     if transport.size > 1 and name == "torch":
         from ..sync.torch_grad import TorchGradSync
 
