@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -96,3 +97,20 @@ def finish(name: str, result: dict, t_start: float, json_path: str | None) -> in
         Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
     print(f"bench {name}: {result['seconds']:.0f} s in all; load average {result['load_avg']}")
     return 0
+
+
+@contextlib.contextmanager
+def namespace_hosts(args, tmp: Path, bench: str, name: str):
+    """None (ranks on this host), or `args.simcluster` namespace hosts joined by links shaped to
+    `args.rate` on `args.subnet` (root), taken down on the way out."""
+    if not args.simcluster:
+        yield None
+        return
+    from ..rig.simcluster import SimCluster, available
+
+    ok, why = available()
+    if not ok:
+        raise SystemExit(f"bench {bench}: cannot build namespace hosts: {why} (or run on one host: --simcluster 0)")
+    with SimCluster(args.simcluster, name=name, subnet=args.subnet, state_dir=tmp / "cluster",
+                    rate=args.rate) as cluster:
+        yield cluster

@@ -22,7 +22,6 @@ goes on, as the plan is an estimate).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 
 from ..cluster.world import find_mpirun
-from .runs import REPO, check, finish, read_events, set_env
+from .runs import REPO, check, finish, namespace_hosts, read_events, set_env
 
 MODES = ("none", "optimizer", "gradients", "weights")
 NAMES = {"none": "data parallel", "optimizer": "ZeRO-1", "gradients": "ZeRO-2", "weights": "ZeRO-3"}
@@ -99,20 +98,6 @@ def zero3_link_seconds(owned: list[float], moved_bytes: float, rate: str) -> flo
     return moved_bytes * (1 - min(owned) / sum(owned)) * 8 / parse_rate(rate)
 
 
-@contextlib.contextmanager
-def _hosts(args, tmp: Path):
-    """None (ranks on this host), or namespace hosts for `--simcluster N` (root)."""
-    if not args.simcluster:
-        yield None
-        return
-    from ..rig.simcluster import SimCluster, available
-
-    ok, why = available()
-    if not ok:
-        raise SystemExit(f"bench shard: cannot build namespace hosts: {why}")
-    with SimCluster(args.simcluster, name="mlxshb", subnet=args.subnet, state_dir=tmp / "cluster",
-                    rate=args.rate) as cluster:
-        yield cluster
 
 
 def _limit(common: list[str], n: int) -> tuple[int, dict]:
@@ -178,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"preset": args.preset, "ranks": n, "batch_per_rank": args.batch, "seq_len": args.seq_len,
                     "steps": args.steps, "skip": args.skip, "rounds": args.rounds}
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    with tempfile.TemporaryDirectory(prefix="mlxshard-") as tmp, _hosts(args, Path(tmp)) as cluster:
+    with tempfile.TemporaryDirectory(prefix="mlxshard-") as tmp, namespace_hosts(args, Path(tmp), "shard", "mlxshb") as cluster:
         for rnd in range(args.rounds):
             for mode in modes:
                 run_dir = Path(tmp) / f"{mode}-{rnd}"

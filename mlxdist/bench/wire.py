@@ -17,7 +17,6 @@ decoding one step's gradients costs alone (numpy, one core), which bounds int8 o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..cluster.world import find_mpirun
-from .runs import REPO, check, finish, read_events, set_env
+from .runs import REPO, check, finish, namespace_hosts, read_events, set_env
 
 WIRES = ("float32", "bfloat16", "float16", "int8", "int4")
 
@@ -95,19 +94,6 @@ def codec_seconds(wire: str, n_params: int, n: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-@contextlib.contextmanager
-def _hosts(args, tmp: Path):
-    if not args.simcluster:
-        yield None
-        return
-    from ..rig.simcluster import SimCluster, available
-
-    ok, why = available()
-    if not ok:
-        raise SystemExit(f"bench wire: cannot build namespace hosts: {why} (or run on one host: --simcluster 0)")
-    with SimCluster(args.simcluster, name="mlxwire", subnet=args.subnet, state_dir=tmp / "cluster",
-                    rate=args.rate) as cluster:
-        yield cluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = param_count(resolve(load_config(None, model).model))
     t_start = time.perf_counter()
     runs: dict[str, list[dict]] = {w: [] for w in wires}
-    with tempfile.TemporaryDirectory(prefix="mlxwire-") as tmp, _hosts(args, Path(tmp)) as cluster:
+    with tempfile.TemporaryDirectory(prefix="mlxwire-") as tmp, namespace_hosts(args, Path(tmp), "wire", "mlxwire") as cluster:
         for rnd in range(args.rounds):
             for w in wires:
                 run_dir = Path(tmp) / f"{w}-{rnd}"
