@@ -49,7 +49,7 @@ class DiLoCoStrategy(Strategy):
                  transport: Transport | None = None):
         self.world, self.hosts, self.dist = world, list(plan.hosts), cfg.dist
         self.meet_every, self.steps = cfg.control.balance_interval, cfg.train.steps
-        self.outer = OuterSync(cfg.dist, engine.get_weights(), transport)
+        self.outer = OuterSync(cfg.dist, plan.outer_wire, engine.get_weights(), transport)
         d = cfg.dist
         # A round must give each fragment a step of its own, and an overlapped sync must
         # land before its fragment's next one starts.
@@ -206,10 +206,10 @@ class DiLoCoStrategy(Strategy):
 class OuterSync:
     """Between the engine's weights (by name) and DiLoCo's flat parameter list."""
 
-    def __init__(self, cfg: DistConfig, weights: dict[str, np.ndarray], transport: Transport):
+    def __init__(self, cfg: DistConfig, wire: str, weights: dict[str, np.ndarray], transport: Transport):
         self.names = sorted(weights)
         self.dl = DiLoCo([weights[n] for n in self.names], inner_steps=cfg.inner_steps, outer_lr=cfg.outer_lr,
-                         outer_momentum=cfg.outer_momentum, wire=cfg.outer_wire, fragments=cfg.fragments)
+                         outer_momentum=cfg.outer_momentum, wire=wire, fragments=cfg.fragments)
         self.overlap: OverlappedSync | None = None
         if cfg.overlap_steps:
             # The worker thread gets a channel of its own: its messages never meet the loop's.
