@@ -32,4 +32,5 @@ def make_engine(name: str, cfg: Config, device: str = "auto", task: Task | None 
     return engine_spec(name).load("make")(cfg, device, task, local_rank, micro_batch)
 
 
-__all__ = ["ENGINES", "Engine", "EngineSpec", "engine_spec", "LocalGradients", "StepStats", "local_step", "make_engine", "prepare_process"]
+__all__ = ["ENGINES", "Engine", "EngineSpec", "LocalGradients", "StepStats", "engine_spec", "local_step", "make_engine",
+           "prepare_process"]

@@ -18,7 +18,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import Config
-from ..models.build import adopt_mlx, build_mlx, built_from_task
+from ..models.build import BuiltModel, adopt_mlx, build_mlx, built_from_task
+from ..models.presets import ModelArgs
 from ..models.weights import checksum
 from ..optim import check_state, make_optimizer, mlx_ops
 from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
@@ -489,7 +490,7 @@ def make(cfg: Config, device: str, task: Task | None, local_rank: int, micro_bat
     return MLXEngine(cfg, task, micro_batch=micro_batch)
 
 
-def build_lm(cfg: Config, device, args=None):
+def build_lm(cfg: Config, device: object, args: ModelArgs | None = None) -> BuiltModel:
     return build_mlx(cfg, args)
 
 

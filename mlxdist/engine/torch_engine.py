@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..models.build import adopt_torch, build_torch, built_from_task
+from ..models.build import BuiltModel, adopt_torch, build_torch, built_from_task
 from ..models.presets import ModelArgs
 from ..models.weights import checksum
 from ..optim import check_state, make_optimizer, torch_ops
@@ -792,7 +792,7 @@ def make(cfg: Config, device: str, task: Task | None, local_rank: int, micro_bat
     return TorchEngine(cfg, device, task=task, local_rank=local_rank, micro_batch=micro_batch)
 
 
-def build_lm(cfg: Config, device, args=None):
+def build_lm(cfg: Config, device: object, args: ModelArgs | None = None) -> BuiltModel:
     return build_torch(cfg, device, args)
 
 

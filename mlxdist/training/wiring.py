@@ -15,25 +15,26 @@ from ..sync.compressed import CompressedGradSync
 
 
 def make_world(name: str, cfg: Config, device: str = "auto") -> World:
-    """The ranks of this job. MPI is initialised in the order the backend needs; an engine
-    that sums over named backends only (torch: mpi4py, numpy buffers, whatever device its
-    tensors live on) refuses the others."""
-    backends = engine_spec(name).backends
-    if backends:
-        if cfg.dist.backend not in ("auto", *backends):
-            ways = " or ".join(backends)
-            raise ConfigError(f"dist.backend={cfg.dist.backend}: the {name} engine sums its gradients over {ways}; "
-                              f"use dist.backend=auto (or {ways})")
-        return init_world(backends[0])
-    return init_world(resolve_backend(cfg.dist.backend))
+    """The ranks of this job. MPI is initialised in the order the backend needs."""
+    return init_world(_backend(name, cfg))
 
 
 def make_data_plane(name: str, cfg: Config, world: World) -> Transport:
-    """The run's transport (collective: every rank builds it at the same point); the engine's
-    own backend where it names one (`make_world` refuses the others)."""
+    """The run's transport (collective: every rank builds it at the same point)."""
+    return make_transport(world, _backend(name, cfg), cfg.dist.ring_connections)
+
+
+def _backend(name: str, cfg: Config) -> str:
+    """`dist.backend` resolved; an engine that sums over named backends only (torch: mpi4py,
+    numpy buffers, whatever device its tensors live on) refuses the others."""
     backends = engine_spec(name).backends
-    backend = backends[0] if backends else resolve_backend(cfg.dist.backend)
-    return make_transport(world, backend, cfg.dist.ring_connections)
+    if not backends:
+        return resolve_backend(cfg.dist.backend)
+    if cfg.dist.backend not in ("auto", *backends):
+        ways = " or ".join(backends)
+        raise ConfigError(f"dist.backend={cfg.dist.backend}: the {name} engine sums its gradients over {ways}; "
+                          f"use dist.backend=auto (or {ways})")
+    return cfg.dist.backend if cfg.dist.backend in backends else backends[0]
 
 
 def make_reducer(name: str, cfg: Config, transport: Transport, wire: str):
