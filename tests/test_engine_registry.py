@@ -70,3 +70,13 @@ def test_an_unregistered_engine_is_refused_with_the_choices():
         from mlxdist.train import parse_args
 
         parse_args(["--engine", "jax"])
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_every_function_a_spec_names_imports(name):
+    """The spec names functions by "module:attribute": a module moved or renamed fails here, not in a run."""
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("torch")
+    spec = ENGINES[name]
+    for field in ("make", "build_lm", "adopt", "seed", "on_cpu", "reducer", "arrays", "model_files"):
+        assert callable(spec.load(field)), f"{name}.{field}: {getattr(spec, field)}"
