@@ -22,13 +22,13 @@ def _bare_mlx_steps(cfg, steps: int) -> tuple[list[float], int]:
     import mlx.optimizers as optim
 
     from ..data.sampler import GlobalSampler
-    from ..models.build import built_from_task
+    from ..models.build import adopt_mlx, built_from_task
     from ..tasks import TaskContext, tree_map
     from ..tasks.load import resolve_task
 
     task = resolve_task(cfg)
     mx.random.seed(cfg.train.seed)
-    model = built_from_task(task.build(TaskContext("mlx", str(mx.default_device()), cfg.train.seed, cfg)), "mlx",
+    model = built_from_task(task.build(TaskContext("mlx", str(mx.default_device()), cfg.train.seed, cfg)), adopt_mlx,
                             None, task.name).module
     opt = optim.AdamW(learning_rate=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     sampler = GlobalSampler(len(task.dataset), cfg.train.seed)

@@ -25,6 +25,7 @@ import numpy as np
 
 from .config import Config, ConfigError, load_config
 from .data.sampler import StreamIndices
+from .engine.registry import ENGINES, engine_spec
 from .tasks import Task, tree_map
 from .tasks.fingerprint import sample_bytes
 from .tasks.load import checked, config_file, resolve_task
@@ -138,14 +139,7 @@ def _reseed(engine: str, seed: int) -> None:
 
     random.seed(seed)
     np.random.seed(seed)
-    if engine == "torch":
-        import torch
-
-        torch.manual_seed(seed)
-    else:
-        import mlx.core as mx
-
-        mx.random.seed(seed)
+    engine_spec(engine).load("seed")(seed)
 
 
 def _loss_rel(a: float, b: float) -> float:
@@ -188,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mlxdist.check_task",
                                 description="Check that a task's loss is a sum over independent units (3+5 == 8).")
     p.add_argument("config", help="YAML config with task.factory (and task.args)")
-    p.add_argument("--engine", choices=("mlx", "torch"), default="mlx", help="which framework runs the check")
+    p.add_argument("--engine", choices=ENGINES, default="mlx", help="which framework runs the check")
     p.add_argument("--device", default="auto", help="torch engine: auto|cuda|mps|cpu")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     args = p.parse_intermixed_args(argv)

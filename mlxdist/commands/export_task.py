@@ -35,171 +35,17 @@ from typing import Any
 import numpy as np
 
 from .config import ConfigError, config_from_dict
+from .engine.model_files import TaskExportError, few, one_line
+from .engine.registry import engine_spec
 from .state import checkpoint as ckpt
 from .tasks import Task, TaskContext
 from .tasks.load import task_from_factory
-
-
-class TaskExportError(ValueError):
-    """One line, exit code 2."""
-
-
-def _few(names: list[str] | set[str], n: int = 3) -> str:
-    names = sorted(names)
-    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
 @dataclass
 class Result:
     files: list[str]  # written into --out, in order
     lines: list[str]  # what to print: one per file, how to load it
-
-
-# ------------------------------------------------------------------------------------------------
-# One engine's way of holding a model: its names, its arrays, how they are read and written
-
-
-class _Torch:
-    name = "torch"
-
-    def __init__(self):
-        import torch
-
-        self.torch = torch
-
-    def seed(self, seed: int) -> None:
-        self.torch.manual_seed(seed)
-
-    def state(self, model) -> dict[str, Any]:
-        return dict(model.state_dict(keep_vars=True))
-
-    def trained(self, model) -> set[str]:
-        return {n for n, p in model.named_parameters() if p.requires_grad}
-
-    def shape(self, t) -> tuple[int, ...]:
-        return tuple(t.shape)
-
-    @staticmethod
-    def flipped(name: str) -> bool:
-        """The torch engine stores a trained `*.lora_a` / `*.lora_b` transposed (mlx-lm's layout)."""
-        from .engine.torch_engine import flipped
-
-        return flipped(name)
-
-    def load(self, model, arrays: dict[str, np.ndarray], trained: set[str]) -> None:
-        tensors = self.state(model)
-        with self.torch.no_grad():
-            for n, a in arrays.items():
-                a = np.ascontiguousarray(a.T) if n in trained and self.flipped(n) else np.asarray(a)
-                tensors[n].copy_(self.torch.from_numpy(np.array(a)))  # copy_ casts to the tensor's dtype
-
-    def write(self, model, path: Path) -> None:
-        from safetensors.torch import save_file
-
-        # Clones: tied weights share storage, which safetensors refuses; each name gets its own copy
-        # so that `load_state_dict(strict=True)` finds every key it asks for.
-        tensors = {n: t.detach().to("cpu").clone(memory_format=self.torch.contiguous_format)
-                   for n, t in model.state_dict().items()}
-        save_file(tensors, str(path), metadata={"format": "pt"})
-
-    def load_strict(self, model, path: Path) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        saved = load_file(str(path))
-        cls = type(model).__name__
-        _check_keys(path, set(self.state(model)), set(saved), cls)
-        try:
-            found = model.load_state_dict(saved, strict=False)  # the keys it takes, to name those it does not
-            _keys_differ(path, cls, set(getattr(found, "missing_keys", ())), set(getattr(found, "unexpected_keys", ())))
-            model.load_state_dict(saved, strict=True)  # as the user's code will
-        except RuntimeError as e:
-            raise TaskExportError(f"{path.name} does not load strictly into a fresh {type(model).__name__}: "
-                                  f"{_one_line(e)}") from None
-        return saved
-
-    def differs(self, model, saved: dict[str, Any]) -> list[str]:
-        got = model.state_dict()
-
-        def same(a, b) -> bool:  # exactly, a NaN where the other has one included
-            if a.dtype != b.dtype or a.shape != b.shape:
-                return False
-            if a.is_floating_point():
-                return self.torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
-            return self.torch.equal(a, b)
-
-        return [n for n, t in saved.items() if not same(got[n].cpu(), t)]
-
-
-class _MLX:
-    name = "mlx"
-
-    def __init__(self):
-        import mlx.core as mx
-
-        self.mx = mx
-        mx.set_default_device(mx.cpu)
-
-    def seed(self, seed: int) -> None:
-        self.mx.random.seed(seed)
-
-    def state(self, model) -> dict[str, Any]:
-        from mlx.utils import tree_flatten
-
-        return dict(tree_flatten(model.parameters()))
-
-    def trained(self, model) -> set[str]:
-        from mlx.utils import tree_flatten
-
-        return {n for n, _ in tree_flatten(model.trainable_parameters())}
-
-    def shape(self, a) -> tuple[int, ...]:
-        return tuple(a.shape)
-
-    @staticmethod
-    def flipped(name: str) -> bool:
-        return False
-
-    def load(self, model, arrays: dict[str, np.ndarray], trained: set[str]) -> None:
-        from mlx.utils import tree_unflatten
-
-        current = self.state(model)
-        model.update(tree_unflatten([(n, self.mx.array(np.asarray(a)).astype(current[n].dtype))
-                                     for n, a in arrays.items()]))
-        self.mx.eval(model.parameters())
-
-    def write(self, model, path: Path) -> None:
-        self.mx.save_safetensors(str(path), self.state(model), metadata={"format": "mlx"})
-
-    def load_strict(self, model, path: Path) -> dict[str, Any]:
-        saved = self.mx.load(str(path))
-        _check_keys(path, set(self.state(model)), set(saved), type(model).__name__)
-        try:
-            model.load_weights(str(path), strict=True)
-        except ValueError as e:
-            raise TaskExportError(f"{path.name} does not load strictly into a fresh {type(model).__name__}: "
-                                  f"{_one_line(e)}") from None
-        return saved
-
-    def differs(self, model, saved: dict[str, Any]) -> list[str]:
-        got = self.state(model)
-        return [n for n, a in saved.items()
-                if got[n].dtype != a.dtype or not bool(self.mx.array_equal(got[n], a, equal_nan=True).item())]
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())  # torch's message spans lines: one line, all of it
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _check_keys(path: Path, wanted: set[str], saved: set[str], cls: str) -> None:
-    _keys_differ(path, cls, wanted - saved, saved - wanted)
-
-
-def _keys_differ(path: Path, cls: str, missing: set[str], unexpected: set[str]) -> None:
-    if missing or unexpected:
-        parts = ([f"missing keys {_few(missing)}"] if missing else []) + \
-                ([f"unexpected keys {_few(unexpected)}"] if unexpected else [])
-        raise TaskExportError(f"{path.name} does not load strictly into a fresh {cls}: {'; '.join(parts)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,14 +84,14 @@ class _Build:
             obj = self.task.build(ctx)
         except Exception as e:  # noqa: BLE001 - the user's build failed: say where, exit 2
             raise TaskExportError(f"task {self.task.name}: build(ctx) raised {type(e).__name__}: "
-                                  f"{_one_line(e)}") from None
+                                  f"{one_line(e)}") from None
         try:
-            built = built_from_task(obj, self.engine.name, "cpu", self.task.name)
+            built = built_from_task(obj, engine_spec(self.engine.name).load("adopt"), "cpu", self.task.name)
         except ConfigError as e:
             raise TaskExportError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the user's module misbehaves when inspected
             raise TaskExportError(f"task {self.task.name}: the model build(ctx) returned fails to be inspected: "
-                                  f"{type(e).__name__}: {_one_line(e)}") from None
+                                  f"{type(e).__name__}: {one_line(e)}") from None
         if hasattr(built.module, "eval"):
             built.module.eval()
         return built.module, built.fingerprint
@@ -302,7 +148,9 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike, factory: str,
         raise TaskExportError(str(e)) from None
     engine_name = state.get("engine", "mlx")
     try:
-        engine = _Torch() if engine_name == "torch" else _MLX()
+        engine = engine_spec(engine_name).load("model_files")()
+    except ValueError as e:  # a name no engine registers
+        raise TaskExportError(f"{loaded.path}: {e}") from None
     except ImportError as e:
         raise TaskExportError(f"{loaded.path}: trained on the {engine_name} engine, and {e.name} does not import "
                               f"here: {e}") from None
@@ -327,17 +175,17 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike, factory: str,
     unknown = set(weights) - set(tensors)
     if unknown:
         raise TaskExportError(f"{where}: holds {len(unknown)} entr{'y' if len(unknown) == 1 else 'ies'} the model "
-                              f"built by {task.name} lacks: {_few(unknown)} (was the model changed since the run?)")
+                              f"built by {task.name} lacks: {few(unknown)} (was the model changed since the run?)")
     lacking = trained - set(weights)
     if lacking:
         raise TaskExportError(f"{where}: lacks {len(lacking)} trained parameter(s) of the model built by {task.name}: "
-                              f"{_few(lacking)} (was the model changed since the run?)")
+                              f"{few(lacking)} (was the model changed since the run?)")
     _check_shapes(where, engine, tensors, weights, trained)
     ema = getattr(loaded, "extra", {}).get("ema") or {}
     if ema:
         stray = set(ema) - set(tensors)
         if stray:
-            raise TaskExportError(f"{loaded.path.name}/ema.safetensors: {_few(stray)} not in the model built by "
+            raise TaskExportError(f"{loaded.path.name}/ema.safetensors: {few(stray)} not in the model built by "
                                   f"{task.name}")
         _check_shapes(f"{loaded.path.name}/ema.safetensors", engine, tensors, ema, trained)
 
@@ -352,7 +200,7 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike, factory: str,
         written = _write(engine, model, trained, weights, ema, tmp)
         del model, tensors
         _verify(engine, build, tmp, written)
-        readme = _readme(engine.name, loaded, task.name, written, out.resolve())
+        readme = _readme(engine, loaded, task.name, written, out.resolve())
         (tmp / "README.txt").write_text(readme)
         written.append("README.txt")
         umask = os.umask(0)
@@ -370,7 +218,7 @@ def export_task(loaded: ckpt.Loaded, out: str | os.PathLike, factory: str,
         shutil.rmtree(tmp, ignore_errors=True)
         if created and not done and not any(out.iterdir()):
             out.rmdir()  # a failed export leaves no trace
-    return Result(written, _lines(engine.name, written, out))
+    return Result(written, _lines(engine, written, out))
 
 
 def _check_shapes(where: str, engine, tensors: dict, arrays: dict, trained: set[str]) -> None:
@@ -388,7 +236,7 @@ def _write(engine, model, trained: set[str], weights: dict, ema: dict, tmp: Path
     engine.load(model, weights, trained)
     engine.write(model, tmp / "model.safetensors")
     written.append("model.safetensors")
-    peft_model = find_peft(model) if engine.name == "torch" else None
+    peft_model = find_peft(model) if engine.peft else None
     if peft_model is not None:
         peft_model.save_pretrained(str(tmp / "adapter"))
         written.append("adapter")
@@ -412,7 +260,7 @@ def _verify(engine, build: _Build, tmp: Path, written: list[str]) -> None:
         bad = engine.differs(fresh, saved)
         if bad:
             raise TaskExportError(f"{name}: after a strict load into a fresh {type(fresh).__name__}, "
-                                  f"{_few(bad)} differ from what was written (does the model's load_state_dict "
+                                  f"{few(bad)} differ from what was written (does the model's load_state_dict "
                                   "change what it loads?)")
         adapter = "adapter" if name == "model.safetensors" else "adapter_ema"
         if adapter in written:
@@ -430,21 +278,9 @@ def _verify_adapter(peft_model, directory: Path) -> None:
     got = load_peft_weights(str(directory), device="cpu")
     bad = sorted(set(want) ^ set(got)) or [n for n in want if not torch.equal(want[n].cpu(), got[n])]
     if bad:
-        raise TaskExportError(f"{directory.name}/: PEFT reads it back unlike the model's adapter ({_few(bad)})")
+        raise TaskExportError(f"{directory.name}/: PEFT reads it back unlike the model's adapter ({few(bad)})")
 
 
-_HOW = {
-    "torch": {
-        "model.safetensors": "model.load_state_dict(safetensors.torch.load_file('{p}'), strict=True)",
-        "model_ema.safetensors": "model.load_state_dict(safetensors.torch.load_file('{p}'), strict=True)",
-        "adapter": "peft.PeftModel.from_pretrained(base_model, '{p}')",
-        "adapter_ema": "peft.PeftModel.from_pretrained(base_model, '{p}')",
-    },
-    "mlx": {
-        "model.safetensors": "model.load_weights('{p}', strict=True)",
-        "model_ema.safetensors": "model.load_weights('{p}', strict=True)",
-    },
-}
 _WHAT = {
     "model.safetensors": "the model's whole state ({kind}), each tensor in the model's own dtype",
     "model_ema.safetensors": "the same, with the run's EMA (train.ema) of the trained weights and float buffers",
@@ -453,22 +289,21 @@ _WHAT = {
 }
 
 
-def _lines(engine: str, written: list[str], out: Path) -> list[str]:
-    return [f"{out / n}: {_HOW[engine][n].format(p=out / n)}" for n in written if n in _HOW[engine]]
+def _lines(engine, written: list[str], out: Path) -> list[str]:
+    return [f"{out / n}: {engine.how[n].format(p=out / n)}" for n in written if n in engine.how]
 
 
-def _readme(engine: str, loaded: ckpt.Loaded, task: str, written: list[str], out: Path) -> str:
-    kind = "torch state_dict(): parameters and buffers" if engine == "torch" else \
-        "MLX tree_flatten(model.parameters()): parameters, frozen ones and BatchNorm statistics included"
+def _readme(engine, loaded: ckpt.Loaded, task: str, written: list[str], out: Path) -> str:
+    kind = engine.kind
     step = loaded.state.get("step")
     lines = [f"Exported by `python -m mlxdist.export` from {loaded.path} (step {step}), task {task}, "
-             f"{engine} engine, into {out}.", "",
+             f"{engine.name} engine, into {out}.", "",
              "Build the model the way your task's build(ctx) does (your own class), then, with paths relative "
              "to this directory:", ""]
     for n in written:
-        if n in _HOW[engine]:
+        if n in engine.how:
             lines += [f"{n}{'/' if n.startswith('adapter') else ''}: {_WHAT[n].format(kind=kind)}",
-                      f"    {_HOW[engine][n].format(p=n)}", ""]
+                      f"    {engine.how[n].format(p=n)}", ""]
     if "adapter" in written:
         lines += ["base_model is the model the PeftModel wraps, as build() makes it before get_peft_model.", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, ConfigError
+from .engine.registry import ENGINES, engine_spec
 from .models.errors import PretrainedError
 from .state import checkpoint as ckpt
 
@@ -313,7 +314,7 @@ def parser() -> argparse.ArgumentParser:
                    help="built-in presets only: tokens of context the no-cache sampler sees (default: the run's "
                         "seq_len)")
     r = p.add_argument_group("where")
-    r.add_argument("--engine", choices=("mlx", "torch"), default="mlx",
+    r.add_argument("--engine", choices=ENGINES, default="mlx",
                    help="mlx (mlx_lm.stream_generate) or torch (transformers' generate); default mlx")
     r.add_argument("--device", default="auto", help="torch engine: auto, cpu, mps, cuda or cuda:N (default auto)")
     return p
@@ -402,19 +403,28 @@ def _pretrained(args: argparse.Namespace, model_path: str, cfg: Config | None,
     if args.context is not None:
         raise GenerateError("--context: only for built-in presets; pretrained models keep their whole context "
                             "in the KV cache")
-    if args.engine == "mlx":
-        tok = mlx_tokenizer(model_path)
-        ids, chat = prompt_ids(tok, req, model_path)
-        model = (mlx_model_from_checkpoint(cfg, weights) if cfg is not None
-                 else mlx_model_from_path(model_path, args.adapter))
-        t = time.perf_counter()
-        if chat:  # mlx_lm.generate's own text, segment by segment
-            return generate_mlx(model, tok, ids, req, on_text=_write), time.perf_counter() - t
-        _write(req.prompt)
-        stream = _Stream(_decoder(tok))
-        out = generate_mlx(model, tok, ids, req, on_token=stream.push)
-        stream.close()
-        return out, time.perf_counter() - t
+    run = _PRETRAINED[engine_spec(args.engine).generator]
+    return run(args, model_path, cfg, weights, req)
+
+
+def _mlx_lm(args: argparse.Namespace, model_path: str, cfg: Config | None, weights: dict | None,
+            req: Request) -> tuple[list[int], float]:
+    tok = mlx_tokenizer(model_path)
+    ids, chat = prompt_ids(tok, req, model_path)
+    model = (mlx_model_from_checkpoint(cfg, weights) if cfg is not None
+             else mlx_model_from_path(model_path, args.adapter))
+    t = time.perf_counter()
+    if chat:  # mlx_lm.generate's own text, segment by segment
+        return generate_mlx(model, tok, ids, req, on_text=_write), time.perf_counter() - t
+    _write(req.prompt)
+    stream = _Stream(_decoder(tok))
+    out = generate_mlx(model, tok, ids, req, on_token=stream.push)
+    stream.close()
+    return out, time.perf_counter() - t
+
+
+def _transformers(args: argparse.Namespace, model_path: str, cfg: Config | None, weights: dict | None,
+                  req: Request) -> tuple[list[int], float]:
     from .data.hf_tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_path)
@@ -428,6 +438,9 @@ def _pretrained(args: argparse.Namespace, model_path: str, cfg: Config | None,
     out = generate_torch(hf, ids, tok.eos_ids, req, stream.push)
     stream.close()
     return out, time.perf_counter() - t
+
+
+_PRETRAINED = {"mlx-lm": _mlx_lm, "transformers": _transformers}  # by the engine registry's `generator`
 
 
 def _preset(args: argparse.Namespace, cfg: Config, weights: dict) -> tuple[list[int], float]:

@@ -18,12 +18,14 @@ Exit status: 0 a mode fits, 2 none does (one line names the rank) or the input i
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from collections.abc import Sequence
 
 from .config import Config, ConfigError, load_config
 from .control.memory_plan import GIB, lm_facts, plan
+from .engine.registry import ENGINES, engine_spec
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": GIB, "gb": GIB, "gib": GIB, "t": 2**40, "tb": 2**40, "tib": 2**40}
@@ -115,13 +117,11 @@ def model_numbers(cfg: Config, engine: str) -> tuple[int, int | None, int, str]:
     from .tasks.load import resolve_task
 
     task = resolve_task(cfg)
-    if engine == "mlx":
-        import mlx.core as mx
-
-        mx.set_default_device(mx.cpu)
+    spec = engine_spec(engine)
+    spec.load("on_cpu")()
     built = built_from_task(task.build(TaskContext(engine, "cpu", cfg.train.seed, cfg, cfg.train.batch_size)),
-                            engine, "cpu", task.name)
-    sizes = [int(v.size if engine == "mlx" else v.numel()) for v in built.params.values()]
+                            spec.load("adopt"), "cpu", task.name)
+    sizes = [math.prod(v.shape) for v in built.params.values()]
     return sum(sizes), None, max(sizes), f"{built.summary} (built on the CPU with {engine})"
 
 
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--memory", help="with --hostfile: SIZE for every host, or NAME=SIZE,...")
     p.add_argument("--activation-gb", type=float, default=None,
                    help="activation memory per sample in GiB (a task's, or a measured one for the LM)")
-    p.add_argument("--engine", choices=("mlx", "torch"), default="mlx", help="a task's model is built with it")
+    p.add_argument("--engine", choices=ENGINES, default="mlx", help="a task's model is built with it")
     p.add_argument("overrides", nargs="*", help="key=value config overrides (model.preset=1b data.seq_len=2048)")
     args = p.parse_intermixed_args(argv)
     try:

@@ -69,7 +69,8 @@ def fit(task: Task, config: str | Path | Config | None = None, overrides: Sequen
     from .blas import late_note
 
     prepare_process(engine)
-    note = late_note() if engine == "mlx" else None
+    spec = ENGINES.get(engine)
+    note = late_note() if spec is not None and spec.openblas else None
     if note:
         print(note, file=sys.stderr)
     try:

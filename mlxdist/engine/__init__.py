@@ -11,13 +11,14 @@ from __future__ import annotations
 from ..config import Config
 from ..tasks import Task
 from .base import Engine, LocalGradients, StepStats, local_step
-
-ENGINES = ("mlx", "torch")
+from .registry import ENGINES, EngineSpec, engine_spec
 
 
 def prepare_process(name: str) -> None:
-    """Before anything imports MLX: the MLX engine on Linux re-execs with OpenBLAS preloaded."""
-    if name == "mlx":
+    """Before anything imports MLX: the MLX engine on Linux re-execs with OpenBLAS preloaded.
+    An unknown name is `make_engine`'s to refuse."""
+    spec = ENGINES.get(name)
+    if spec is not None and spec.openblas:
         from ..blas import ensure_openblas
 
         ensure_openblas()
@@ -28,15 +29,8 @@ def make_engine(name: str, cfg: Config, device: str = "auto", task: Task | None 
     """Build the engine the CLI asked for, with the task's model (default: the built-in LM);
     each import is lazy so neither framework is required. `local_rank` picks this rank's GPU
     where a host has several (torch, `--device auto`)."""
-    if name == "mlx":
-        from .mlx_engine import MLXEngine
-
-        return MLXEngine(cfg, task, micro_batch=micro_batch)
-    if name == "torch":
-        from .torch_engine import TorchEngine
-
-        return TorchEngine(cfg, device, task=task, local_rank=local_rank, micro_batch=micro_batch)
-    raise ValueError(f"unknown engine '{name}' (use {' or '.join(ENGINES)})")
+    return engine_spec(name).load("make")(cfg, device, task, local_rank, micro_batch)
 
 
-__all__ = ["ENGINES", "Engine", "LocalGradients", "StepStats", "local_step", "make_engine", "prepare_process"]
+__all__ = ["ENGINES", "Engine", "EngineSpec", "LocalGradients", "StepStats", "engine_spec", "local_step", "make_engine",
+           "prepare_process"]

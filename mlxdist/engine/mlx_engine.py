@@ -18,7 +18,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import Config
-from ..models.build import built_from_task
+from ..models.build import BuiltModel, adopt_mlx, build_mlx, built_from_task
+from ..models.presets import ModelArgs
 from ..models.weights import checksum
 from ..optim import check_state, make_optimizer, mlx_ops
 from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
@@ -59,8 +60,8 @@ class MLXEngine(HoldsBatches):
         task = task or lm_model(cfg, args)
         self.task_loss, self.task_name = task.loss, task.name
         mx.random.seed(cfg.train.seed)  # a model initialised without a seed still starts the same every run
-        built = built_from_task(task.build(TaskContext("mlx", self.device, cfg.train.seed, cfg, micro_batch)), "mlx", None,
-                                task.name)
+        ctx = TaskContext("mlx", self.device, cfg.train.seed, cfg, micro_batch)
+        built = built_from_task(task.build(ctx), adopt_mlx, None, task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.whole_state = built.whole_state
@@ -479,3 +480,23 @@ class MLXShardOps(StagedShardOps):
         lazy = {f"{k}.{n}": mx.zeros(s, mx.float32) for k in self.optimizer.state_names
                 for n, s in zip(self.names, self.shapes, strict=True)}
         self.engine.set_optimizer_state(lazy, step)
+
+
+# -- what the registry (registry.py) names for this engine -----------------------------------
+
+
+def make(cfg: Config, device: str, task: Task | None, local_rank: int, micro_batch: int) -> MLXEngine:
+    """MLX picks its one device itself: `device` and `local_rank` are the torch engine's."""
+    return MLXEngine(cfg, task, micro_batch=micro_batch)
+
+
+def build_lm(cfg: Config, device: object, args: ModelArgs | None = None) -> BuiltModel:
+    return build_mlx(cfg, args)
+
+
+def seed(value: int) -> None:
+    mx.random.seed(value)
+
+
+def on_cpu() -> None:
+    mx.set_default_device(mx.cpu)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..config import Config
-from ..models.build import built_from_task
+from ..models.build import BuiltModel, adopt_torch, build_torch, built_from_task
 from ..models.presets import ModelArgs
 from ..models.weights import checksum
 from ..optim import check_state, make_optimizer, torch_ops
@@ -202,7 +202,7 @@ class TorchEngine(HoldsBatches):
         self.task_loss, self.task_name = task.loss, task.name
         ctx = TaskContext("torch", self.device, cfg.train.seed, cfg, micro_batch)
         torch.manual_seed(cfg.train.seed)  # a model initialised without a seed still starts the same every run
-        built = built_from_task(task.build(ctx), "torch", self.dev, task.name)
+        built = built_from_task(task.build(ctx), adopt_torch, self.dev, task.name)
         self.model = built.module
         self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.whole_state = built.whole_state
@@ -783,3 +783,22 @@ class TorchShardOps(StagedShardOps):
 
     def drop_moments(self, step: int) -> None:
         self.engine.drop_optimizer_state(step)
+
+
+# -- what the registry (registry.py) names for this engine -----------------------------------
+
+
+def make(cfg: Config, device: str, task: Task | None, local_rank: int, micro_batch: int) -> TorchEngine:
+    return TorchEngine(cfg, device, task=task, local_rank=local_rank, micro_batch=micro_batch)
+
+
+def build_lm(cfg: Config, device: object, args: ModelArgs | None = None) -> BuiltModel:
+    return build_torch(cfg, device, args)
+
+
+def seed(value: int) -> None:
+    torch.manual_seed(value)
+
+
+def on_cpu() -> None:
+    """Tensors go where they are put: the CPU is the device the caller names."""

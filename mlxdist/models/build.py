@@ -7,8 +7,10 @@ trainable parameters, by name) through `module(tokens) -> logits`.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..config import Config, ConfigError
 from .presets import ModelArgs, human, param_count, resolve
@@ -153,46 +155,66 @@ def _pretrained_torch(cfg: Config, device: Any) -> BuiltModel:
                       info.fingerprint, info)
 
 
-def built_from_task(obj: Any, engine: str, device: Any, name: str) -> BuiltModel:
+def built_from_task(obj: Any, adopt: Callable[[Any, Any, str], Adopted], device: Any, name: str) -> BuiltModel:
     """What a task's `build` returned, as the engine holds it: a BuiltModel passes through
-    (the built-in LM); a user's module gives its trainable parameters by name."""
+    (the built-in LM); a user's module gives its trainable parameters by name, read by the
+    engine's `adopt` (`adopt_mlx`, `adopt_torch`: the engine registry names which)."""
     if isinstance(obj, BuiltModel):
         return obj
-    if engine == "mlx":
-        import mlx.core as mx
-        import mlx.nn as nn
-        from mlx.utils import tree_flatten
-
-        if not isinstance(obj, nn.Module):
-            raise ConfigError(f"task {name}: build(ctx) returned {type(obj).__name__}, not an mlx.nn.Module "
-                              "(the MLX engine trains MLX modules; use --engine torch for a torch.nn.Module)")
-        obj.train()
-        params = dict(tree_flatten(obj.trainable_parameters()))
-        everything = dict(tree_flatten(obj.parameters()))
-        total = sum(v.size for v in everything.values())
-        frozen = {n: v.astype(mx.float32) for n, v in everything.items() if n not in params}  # numpy has no bf16
-        kept = f"; {human(sum(v.size for v in frozen.values()))} not trained by gradients (running statistics, " \
-               "frozen weights): equal on every rank, saved once they change" if frozen else ""
-    else:
-        import torch
-
-        if not isinstance(obj, torch.nn.Module):
-            raise ConfigError(f"task {name}: build(ctx) returned {type(obj).__name__}, not a torch.nn.Module "
-                              "(the torch engine trains torch modules; use --engine mlx for an mlx.nn.Module)")
-        obj = obj.to(device)
-        obj.train()
-        params = {n: p for n, p in obj.named_parameters() if p.requires_grad}
-        total = sum(p.numel() for p in obj.parameters())
-        frozen = {n: p.detach().float().cpu() for n, p in obj.named_parameters() if not p.requires_grad}
-        buffers = list(obj.state_dict().keys() - dict(obj.named_parameters()).keys())
-        kept = f"; {len(buffers)} buffers ({human(sum(obj.get_buffer(n).numel() for n in buffers))} values): " \
-               "saved, equal on every rank" if buffers else ""
+    got = adopt(obj, device, name)
+    obj, params, total, frozen, kept = got.module, got.params, got.total, got.frozen, got.kept
     if not params:
         raise ConfigError(f"task {name}: the model has no trainable parameters")
-    trained = sum(int(getattr(v, "size", 0) if engine == "mlx" else v.numel()) for v in params.values())
+    trained = sum(math.prod(v.shape) for v in params.values())
     summary = f"model: {type(obj).__name__} from task {name}, {human(total)} parameters" + (
         ", all trained" if trained == total else f", {human(trained)} trained") + kept
     return BuiltModel(obj, params, total, 0, summary, _frozen_fingerprint(frozen), whole_state=True)
+
+
+class Adopted(NamedTuple):
+    """A task's module as an engine reads it: trained parameters by name, the total count,
+    what does not train (fingerprinted), and the summary's note on it."""
+
+    module: Any
+    params: dict[str, Any]
+    total: int
+    frozen: dict[str, Any]
+    kept: str
+
+
+def adopt_mlx(obj: Any, device: Any, name: str) -> Adopted:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    if not isinstance(obj, nn.Module):
+        raise ConfigError(f"task {name}: build(ctx) returned {type(obj).__name__}, not an mlx.nn.Module "
+                          "(the MLX engine trains MLX modules; use --engine torch for a torch.nn.Module)")
+    obj.train()
+    params = dict(tree_flatten(obj.trainable_parameters()))
+    everything = dict(tree_flatten(obj.parameters()))
+    total = sum(v.size for v in everything.values())
+    frozen = {n: v.astype(mx.float32) for n, v in everything.items() if n not in params}  # numpy has no bf16
+    kept = f"; {human(sum(v.size for v in frozen.values()))} not trained by gradients (running statistics, " \
+           "frozen weights): equal on every rank, saved once they change" if frozen else ""
+    return Adopted(obj, params, total, frozen, kept)
+
+
+def adopt_torch(obj: Any, device: Any, name: str) -> Adopted:
+    import torch
+
+    if not isinstance(obj, torch.nn.Module):
+        raise ConfigError(f"task {name}: build(ctx) returned {type(obj).__name__}, not a torch.nn.Module "
+                          "(the torch engine trains torch modules; use --engine mlx for an mlx.nn.Module)")
+    obj = obj.to(device)
+    obj.train()
+    params = {n: p for n, p in obj.named_parameters() if p.requires_grad}
+    total = sum(p.numel() for p in obj.parameters())
+    frozen = {n: p.detach().float().cpu() for n, p in obj.named_parameters() if not p.requires_grad}
+    buffers = list(obj.state_dict().keys() - dict(obj.named_parameters()).keys())
+    kept = f"; {len(buffers)} buffers ({human(sum(obj.get_buffer(n).numel() for n in buffers))} values): " \
+           "saved, equal on every rank" if buffers else ""
+    return Adopted(obj, params, total, frozen, kept)
 
 
 def _frozen_fingerprint(frozen: dict[str, Any]) -> str | None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..cluster.world import World
 from ..config import Config, ConfigError
+from ..engine.registry import engine_spec
 
 _TAG_WRAP = 1 << 20  # keeps tag**2 * ranks exact in float64
 
@@ -176,7 +177,7 @@ def install_sync_batchnorm(cfg: Config, world: World, engine, plan) -> list[str]
     engine's model. Returns the notes to print. Every rank calls it with the same plan."""
     if not cfg.train.sync_batchnorm:
         return []
-    if engine.name != "torch":
+    if not engine_spec(engine.name).sync_batchnorm:
         raise _refuse(world, f"the {engine.name} engine is not supported (MLX has no collective inside autograd on "
                              "mlxdist's transports); run with --engine torch, or set train.sync_batchnorm=false")
     if cfg.dist.mode == "diloco":

@@ -21,6 +21,11 @@ from .reducer import Reducer, SyncStats, Unreduced, plan_buckets
 
 
 class GradSync(Reducer):
+    @classmethod
+    def configured(cls, transport: Transport, dist, wire_dtype: str) -> GradSync:
+        """As the run's `dist` config asks (the engine registry's `reducer`)."""
+        return cls(transport, dist.bucket_mb, wire_dtype)
+
     def __init__(self, transport: Transport, bucket_mb: float = 25.0, wire_dtype: str = "float32"):
         self.transport = transport
         self.bucket_elems = max(1, int(bucket_mb * 2**20 / 4))

@@ -6,11 +6,7 @@ from __future__ import annotations
 from ..cluster.world import World
 from ..config import Config
 from ..engine.base import Engine
-
-SHARDED_ENGINES = ("mlx", "torch")  # both shard optimizer state and gradients (engine.shard_ops)
-# Where dist.shard=auto picks a sharded mode. The plan's transients are fitted to MLX's peaks;
-# torch's differ (its AdamW runs per parameter group), so on torch the choice is an estimate's.
-AUTO_ENGINES = ("mlx", "torch")
+from ..engine.registry import engine_spec
 
 
 def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], limits: list[int],
@@ -34,15 +30,16 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], l
     mp = plan(cfg, list(zip(hosts, limits, strict=True)), n_params,
               facts.activation_bytes_per_sample if facts else None, gather_params=facts.gather_params if facts else 0,
               staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None)
+    spec = engine_spec(engine.name)  # which modes it shards (engine/registry.py)
     if cfg.dist.shard == "none":
-        line = mp.unsharded_warning(can_shard=engine.name in SHARDED_ENGINES, auto=engine.name in AUTO_ENGINES)
+        line = mp.unsharded_warning(can_shard=spec.shards, auto=spec.auto_shard)
         return "none", [line] if line else []
     if cfg.dist.shard != "auto":
         return cfg.dist.shard, mp.banner_lines()
     if mp.choice is None:
         raise world.agreed_error(mp.no_fit_line())
-    built = ("none", "optimizer", "gradients") if engine.name in AUTO_ENGINES else ("none",)
-    if engine.name in AUTO_ENGINES and engine.capabilities.staged:
+    built = ("none", "optimizer", "gradients") if spec.auto_shard else ("none",)
+    if spec.auto_shard and engine.capabilities.staged:
         built += ("weights",)  # ZeRO-3 runs a model with stages() (the built-in LM's presets)
     if mp.choice not in built:
         raise world.agreed_error(f"{mp.choice_line()}; this model cannot run it (the {engine.name} engine shards "

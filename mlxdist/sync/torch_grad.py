@@ -27,6 +27,11 @@ from .reducer import Reducer, SyncStats, plan_buckets
 
 
 class TorchGradSync(Reducer):
+    @classmethod
+    def configured(cls, transport: Transport, dist, wire_dtype: str) -> TorchGradSync:
+        """As the run's `dist` config asks (the engine registry's `reducer`)."""
+        return cls(transport, dist.bucket_mb, wire_dtype, dist.overlap)
+
     def __init__(self, transport: Transport, bucket_mb: float = 25.0, wire_dtype: str = "float32",
                  overlap: bool = True):
         if wire_dtype not in ("float32", "bfloat16"):

@@ -78,9 +78,9 @@ def lm_build(cfg: Config, args: Any = None) -> Callable[[TaskContext], Any]:
     """The preset or pretrained model (with adapters) for the context's engine."""
 
     def build(ctx: TaskContext) -> Any:
-        from ..models.build import build_mlx, build_torch
+        from ..engine.registry import engine_spec
 
-        return build_mlx(cfg, args) if ctx.engine == "mlx" else build_torch(cfg, ctx.device, args)
+        return engine_spec(ctx.engine).load("build_lm")(cfg, ctx.device, args)
 
     return build
 
