@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, config_from_dict
-from .state import checkpoint as ckpt
-from .tasks import Task, TaskContext
-from .tasks.load import task_from_factory
+from ..config import ConfigError, config_from_dict
+from ..state import checkpoint as ckpt
+from ..tasks import Task, TaskContext
+from ..tasks.load import task_from_factory
 
 
 class TaskExportError(ValueError):
@@ -82,7 +82,7 @@ class _Torch:
     @staticmethod
     def flipped(name: str) -> bool:
         """The torch engine stores a trained `*.lora_a` / `*.lora_b` transposed (mlx-lm's layout)."""
-        from .engine.torch_engine import flipped
+        from ..engine.torch_engine import flipped
 
         return flipped(name)
 
@@ -230,7 +230,7 @@ class _Build:
         self.task, self.cfg, self.engine, self.micro_batch = task, cfg, engine, micro_batch
 
     def __call__(self) -> tuple[Any, str | None]:
-        from .models.build import built_from_task
+        from ..models.build import built_from_task
 
         self.engine.seed(self.cfg.train.seed)
         ctx = TaskContext(self.engine.name, "cpu", self.cfg.train.seed, self.cfg, self.micro_batch)
