@@ -18,11 +18,11 @@ def __getattr__(name: str) -> Any:
 
         return getattr(tasks, name)
     if name == "fit":
-        from .train import fit
+        from .commands.train import fit
 
         return fit
     if name == "check_task":
         import importlib
 
-        return importlib.import_module(".check_task", __name__)  # a callable module
+        return importlib.import_module(".commands.check_task", __name__)  # a callable module
     raise AttributeError(f"module 'mlxdist' has no attribute '{name}'")

@@ -237,7 +237,7 @@ def test_generate_imports_no_task_and_says_how_to_export(hostile, evil, tmp_path
 
 
 def test_report_reads_only_the_logs(hostile):
-    from mlxdist.report import load_run, summarize
+    from mlxdist.commands.report import load_run, summarize
 
     run, marker = hostile
     (run / "logs").mkdir()

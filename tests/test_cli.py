@@ -85,6 +85,37 @@ def test_every_flag_has_help(target, monkeypatch):
         assert action.help, f"{target}: {action.option_strings or action.dest}"
 
 
+ROOT_NAMES = {"train": "commands", "plan": "commands", "export": "commands", "generate": "commands",
+              "report": "commands", "check_task": "commands", "prepare": "commands", "scrape_config": "commands",
+              "lightning": "integrations", "hf": "integrations"}
+
+
+@pytest.mark.parametrize("name", sorted(ROOT_NAMES))
+def test_root_names_are_the_moved_modules_themselves(name):
+    """`mlxdist.train` and the rest stay importable for users, as one module with its new home,
+    not a copy: a monkeypatch or a private name reaches the same object either way."""
+    root = importlib.import_module(f"mlxdist.{name}")
+    home = importlib.import_module(f"mlxdist.{ROOT_NAMES[name]}.{name}")
+    assert root is home and home.__name__ == f"mlxdist.{ROOT_NAMES[name]}.{name}"
+
+
+def test_python_m_runs_the_command_through_its_root_name(tmp_path):
+    hosts = tmp_path / "h.hosts"
+    hosts.write_text("studio slots=2\n")
+    r = subprocess.run([sys.executable, "-m", "mlxdist.scrape_config", "--hostfile", str(hosts), "--port", "9400"],
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "studio:9400" in r.stdout and "studio:9401" in r.stdout
+
+
+def test_check_task_stays_callable_under_both_names():
+    import mlxdist
+    import mlxdist.check_task
+    from mlxdist.commands import check_task
+
+    assert callable(mlxdist.check_task) and mlxdist.check_task is check_task
+
+
 @pytest.mark.parametrize("script", ["mlxrun", "mlxdist-train", "mlxdist-generate", "mlxdist-export",
                                     "mlxdist-report", "mlxdist-bench", "mlxdist-check-task"])
 def test_console_scripts_are_installed_and_answer_help(script):

@@ -107,7 +107,7 @@ def test_config_from_train_args_passes_over_other_options(tmp_path):
 
 
 def test_cli_overrides_and_options_mix():
-    from mlxdist.train import parse_args
+    from mlxdist.commands.train import parse_args
 
     a = parse_args(["train.steps=3", "--resume", "auto", "train.lr=1e-3", "--engine", "torch"])
     assert a.overrides == ["train.steps=3", "train.lr=1e-3"] and a.resume == "auto" and a.engine == "torch"

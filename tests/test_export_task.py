@@ -55,7 +55,7 @@ def export(run: Path, out: Path, *args: str, task: str, cwd: Path = HERE, extra_
     if cli:
         return subprocess.run([sys.executable, "-m", "mlxdist.export", *argv], capture_output=True, text=True,
                               timeout=300, cwd=cwd, env=env() | (extra_env or {}))
-    from mlxdist import export as cli_module
+    from mlxdist.commands import export as cli_module
 
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.chdir(cwd), mock.patch.dict(os.environ, extra_env or {}), \
@@ -239,7 +239,7 @@ def test_find_peft_in_the_model_an_attribute_or_a_child():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mlxdist.export_task import find_peft
+    from mlxdist.commands.export_task import find_peft
 
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1))

@@ -26,7 +26,7 @@ def _generate(*args, cli: bool = False):
         return r.stdout
     import mlx.core  # noqa: F401
 
-    from mlxdist import generate
+    from mlxdist.commands import generate
 
     out, err = io.StringIO(), io.StringIO()
     with mock.patch.dict(os.environ, {"DISABLE_COMPILE": "1"}), contextlib.redirect_stdout(out), \

@@ -141,9 +141,9 @@ def test_torch_kv_cache_tokens_equal_the_numpy_no_cache_greedy_loop(tiny):
     import numpy as np
     import torch
 
+    from mlxdist.commands.generate import Request, generate_torch, prompt_ids, torch_model_from_path
     from mlxdist.data.hf_tokenizer import load_tokenizer
     from mlxdist.engine.common import sample_tokens
-    from mlxdist.generate import Request, generate_torch, prompt_ids, torch_model_from_path
 
     tok = load_tokenizer(tiny["base"])
     hf = torch_model_from_path(tiny["base"], str(tiny["adapter"]), "cpu")
@@ -165,7 +165,7 @@ def test_torch_kv_cache_tokens_equal_the_numpy_no_cache_greedy_loop(tiny):
 
 
 def test_mlx_lm_flag_names_are_aliases_of_ours():
-    from mlxdist.generate import parser
+    from mlxdist.commands.generate import parser
 
     theirs = parser().parse_args(["--model", "M", "--max-tokens", "7", "--temp", "0.5", "--top-p", "0.9",
                                   "--adapter-path", "A", "--ignore-chat-template"])

@@ -118,7 +118,7 @@ def test_the_strategy_s_overhead_on_one_rank_is_reported(runs):
 
 
 def test_lightning_s_reduce_ops_map_to_mlxdist_s():
-    from mlxdist.lightning import _op
+    from mlxdist.integrations.lightning import _op
 
     assert [_op(x) for x in (None, "mean", "avg", "sum", "max", "min")] == ["mean", "mean", "mean", "sum", "max",
                                                                              "min"]

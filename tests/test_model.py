@@ -45,5 +45,5 @@ def test_bf16_compute_keeps_fp32_master_weights_and_learns():
         e.micro_step(tokens)
         losses.append(local_step(e, 3e-3).loss)
     assert all(v.dtype == mx.float32 for v in e.params.values())
-    assert all(v.dtype == mx.float32 for v in e.m.values())
+    assert all(v.dtype == mx.float32 for state in e.opt_state.values() for v in state.values())
     assert losses[-1] < 0.5 * losses[0]

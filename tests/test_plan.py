@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from mlxdist.commands.plan import main, parse_hosts, parse_size
 from mlxdist.config import load_config
 from mlxdist.control.memory_plan import (
     GIB,
@@ -18,7 +19,6 @@ from mlxdist.control.memory_plan import (
     plan,
 )
 from mlxdist.models.presets import param_count, resolve
-from mlxdist.plan import main, parse_hosts, parse_size
 
 N = 1_000_000
 

@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[dev]
 
 import mlx.core as mx  # noqa: E402
 
-from mlxdist.export import ExportError, export_hf  # noqa: E402
+from mlxdist.commands.export import ExportError, export_hf  # noqa: E402
 from mlxdist.models import pretrained as P  # noqa: E402
 
 VOCAB = 320
@@ -213,7 +213,7 @@ def test_tokenizer_and_prepare_with_model_tokenizer(tiny, tmp_path):
     docs.write_text("\n".join(json.dumps({"text": t}) for t in ("the quick dog", "a brown fox")) + "\n")
     # `python -m mlxdist.prepare ...`'s main in this process (transformers is loaded already);
     # the command line itself runs just below.
-    from mlxdist import prepare
+    from mlxdist.commands import prepare
 
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):

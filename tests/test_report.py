@@ -33,7 +33,7 @@ def report(*args: str, cli: bool = False) -> subprocess.CompletedProcess:
     if cli:
         return subprocess.run([sys.executable, "-m", "mlxdist.report", *argv], capture_output=True, text=True,
                               timeout=120, env=env())
-    from mlxdist.report import main
+    from mlxdist.commands.report import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

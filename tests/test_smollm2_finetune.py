@@ -41,7 +41,7 @@ def test_lora_teaches_a_reply_format(tmp_path):
     # re-exec for the BLAS): the same code without a fresh interpreter's imports.
     import mlx.core  # noqa: F401
 
-    from mlxdist import generate
+    from mlxdist.commands import generate
 
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):

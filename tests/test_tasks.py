@@ -15,7 +15,7 @@ import pytest
 from helpers import assert_same_weights, env, final_weights, mpirun_path, run_train
 
 import mlxdist
-from mlxdist.check_task import diagnose
+from mlxdist.commands.check_task import diagnose
 from mlxdist.tasks import default_collate, leading_size
 from mlxdist.tasks.fingerprint import Fingerprint, check_same
 

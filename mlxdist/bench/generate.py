@@ -48,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    from ..generate import Request, generate_mlx, mlx_model_from_path, mlx_tokenizer, prompt_ids
+    from ..commands.generate import (
+        Request,
+        generate_mlx,
+        mlx_model_from_path,
+        mlx_tokenizer,
+        prompt_ids,
+    )
     from ..models.pretrained import PretrainedError, hf_dir
 
     req = Request(args.prompt, False if args.no_chat else None, None, args.max_tokens, 0.0, 1.0, 0)

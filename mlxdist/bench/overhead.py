@@ -53,7 +53,7 @@ def _bare_mlx_steps(cfg, steps: int) -> tuple[list[float], int]:
 
 
 def _trainer_steps(cfg, steps: int) -> list[float]:
-    from ..train import train
+    from ..commands.train import train
 
     with tempfile.TemporaryDirectory() as d:
         train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=d, steps=steps)), "mlx")

@@ -23,12 +23,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .config import Config, ConfigError, load_config
-from .data.sampler import StreamIndices
-from .engine.registry import ENGINES, engine_spec
-from .tasks import Task, tree_map
-from .tasks.fingerprint import sample_bytes
-from .tasks.load import checked, config_file, resolve_task
+from ..config import Config, ConfigError, load_config
+from ..data.sampler import StreamIndices
+from ..engine.registry import ENGINES, engine_spec
+from ..tasks import Task, tree_map
+from ..tasks.fingerprint import sample_bytes
+from ..tasks.load import checked, config_file, resolve_task
 
 
 @dataclass
@@ -149,7 +149,7 @@ def _loss_rel(a: float, b: float) -> float:
 def check_task(task: Task, engine: str = "mlx", device: str = "auto", config: Config | None = None,
                split: Sequence[int] = (3, 5)) -> TaskCheck:
     """Run one batch whole and split; see `data_problem` and `diagnose` for the verdicts."""
-    from .engine import make_engine
+    from ..engine import make_engine
 
     task = checked(task, "check_task(task)")
     base = config if config is not None else Config()
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="torch engine: auto|cuda|mps|cpu")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     args = p.parse_intermixed_args(argv)
-    from .engine import prepare_process
+    from ..engine import prepare_process
 
     prepare_process(args.engine)  # the Linux BLAS re-exec, before MLX loads
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .models.pretrained import PretrainedError, hf_dir, inspect, to_hf_state
+from ..models.pretrained import PretrainedError, hf_dir, inspect, to_hf_state
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return _export_adapter(args)
     if not args.run_dir:
         p.error("give a RUN_DIR, or --base and --adapter")
-    from .state import checkpoint as ckpt
+    from ..state import checkpoint as ckpt
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 def _named_task(loaded, args: argparse.Namespace) -> tuple[str | None, str, dict | None]:
     """(the factory the user named, where, the task.args of their --config or None): from
     --task and --config only, so nothing the checkpoint says picks the code."""
-    from .config import ConfigError, load_config
+    from ..config import ConfigError, load_config
     from .export_task import TaskExportError
 
     if not args.config:
@@ -205,7 +205,7 @@ def _export_task(loaded, out: Path, args: argparse.Namespace) -> int:
 
 def _export_adapter(args: argparse.Namespace) -> int:
     """A run's PEFT adapter -> mlx-lm's adapter layout, or a fused full model."""
-    from .models.adapters import load_peft_into_mlx, read_peft, save_fused, save_mlx_lm_adapter
+    from ..models.adapters import load_peft_into_mlx, read_peft, save_fused, save_mlx_lm_adapter
 
     base = Path(args.base)
     try:
@@ -224,7 +224,7 @@ def _export_adapter(args: argparse.Namespace) -> int:
         import mlx.nn as nn
         from mlx_lm.utils import load_model
 
-        from .models.lora import fuse
+        from ..models.lora import fuse
 
         model, config = load_model(base)
         if args.quantize:

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, config_from_dict
-from .engine.model_files import TaskExportError, few, one_line
-from .engine.registry import engine_spec
-from .state import checkpoint as ckpt
-from .tasks import Task, TaskContext
-from .tasks.load import task_from_factory
+from ..config import ConfigError, config_from_dict
+from ..engine.model_files import TaskExportError, few, one_line
+from ..engine.registry import engine_spec
+from ..state import checkpoint as ckpt
+from ..tasks import Task, TaskContext
+from ..tasks.load import task_from_factory
 
 
 @dataclass
@@ -76,7 +76,7 @@ class _Build:
         self.task, self.cfg, self.engine, self.micro_batch = task, cfg, engine, micro_batch
 
     def __call__(self) -> tuple[Any, str | None]:
-        from .models.build import built_from_task
+        from ..models.build import built_from_task
 
         self.engine.seed(self.cfg.train.seed)
         ctx = TaskContext(self.engine.name, "cpu", self.cfg.train.seed, self.cfg, self.micro_batch)

@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError
-from .engine.registry import ENGINES, engine_spec
-from .models.errors import PretrainedError
-from .state import checkpoint as ckpt
+from ..config import Config, ConfigError
+from ..engine.registry import ENGINES, engine_spec
+from ..models.errors import PretrainedError
+from ..state import checkpoint as ckpt
 
 DEFAULT_PROMPT = "Hello! Who are you?"
 ERRORS = (ckpt.CheckpointError, PretrainedError, ConfigError, FileNotFoundError, ValueError)
@@ -96,7 +96,7 @@ def mlx_tokenizer(model_path: str | Path):
     loaded exactly as `mlx_lm.load` loads it; a GGUF file's comes from its cached HF conversion."""
     from mlx_lm.utils import load_tokenizer
 
-    from .models.pretrained import hf_dir
+    from ..models.pretrained import hf_dir
 
     d = hf_dir(model_path)
     config = json.loads((d / "config.json").read_text())
@@ -106,7 +106,7 @@ def mlx_tokenizer(model_path: str | Path):
 def mlx_model_from_path(model_path: str | Path, adapter: str | None = None):
     """An mlx-lm model of the base (a GGUF dequantized to fp32, as training sees it), with an
     adapter applied unmerged: PEFT's layout (what mlxdist writes) or mlx-lm's."""
-    from .models.pretrained import load_mlx
+    from ..models.pretrained import load_mlx
 
     model, _ = load_mlx(model_path)
     if adapter is not None:
@@ -116,7 +116,7 @@ def mlx_model_from_path(model_path: str | Path, adapter: str | None = None):
 
             load_adapters(model, str(a))
         else:
-            from .models.adapters import load_peft_into_mlx
+            from ..models.adapters import load_peft_into_mlx
 
             load_peft_into_mlx(model, a)
     model.eval()
@@ -134,7 +134,7 @@ def mlx_model_from_checkpoint(cfg: Config, weights: dict):
     that trained it, so checkpoint names map the same way as on resume."""
     from mlx.utils import tree_unflatten
 
-    from .engine.mlx_engine import MLXEngine
+    from ..engine.mlx_engine import MLXEngine
 
     engine = MLXEngine(_for_generation(cfg))
     engine.set_weights(weights)
@@ -180,8 +180,8 @@ def _quiet_deprecations() -> Iterator[None]:
 
 def torch_model_from_path(model_path: str | Path, adapter: str | None, device: str):
     """A transformers model of the base (fp32) with a PEFT adapter wrapped around it."""
-    from .engine.torch_engine import select_device
-    from .models.pretrained import load_torch
+    from ..engine.torch_engine import select_device
+    from ..models.pretrained import load_torch
 
     dev, _ = select_device(device)
     module, _ = load_torch(model_path, dev)
@@ -201,7 +201,7 @@ def torch_model_from_path(model_path: str | Path, adapter: str | None, device: s
 
 def torch_model_from_checkpoint(cfg: Config, weights: dict, device: str):
     """The trained model through the torch engine (its PEFT adapters stay injected, unmerged)."""
-    from .engine.torch_engine import TorchEngine
+    from ..engine.torch_engine import TorchEngine
 
     with _quiet_deprecations():
         engine = TorchEngine(_for_generation(cfg), device)
@@ -256,7 +256,7 @@ def generate_torch(hf, ids: list[int], eos_ids: tuple[int, ...], req: Request,
 
 def _load_checkpoint(source: Path) -> tuple[Config, dict]:
     """(the run's config, the checkpoint's weights): the newest valid checkpoint of a run dir."""
-    from .config import config_from_dict
+    from ..config import config_from_dict
 
     if (source / ckpt.MANIFEST).exists() or source.name.startswith("step_"):
         loaded = ckpt.load(source)
@@ -425,7 +425,7 @@ def _mlx_lm(args: argparse.Namespace, model_path: str, cfg: Config | None, weigh
 
 def _transformers(args: argparse.Namespace, model_path: str, cfg: Config | None, weights: dict | None,
                   req: Request) -> tuple[list[int], float]:
-    from .data.hf_tokenizer import load_tokenizer
+    from ..data.hf_tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_path)
     ids, chat = prompt_ids(tok.tok, req, model_path)
@@ -445,8 +445,8 @@ _PRETRAINED = {"mlx-lm": _mlx_lm, "transformers": _transformers}  # by the engin
 
 def _preset(args: argparse.Namespace, cfg: Config, weights: dict) -> tuple[list[int], float]:
     """A byte-level model trained here: the engine's own forward and the numpy draw."""
-    from .data.tokenizer import ByteTokenizer
-    from .engine import make_engine
+    from ..data.tokenizer import ByteTokenizer
+    from ..engine import make_engine
 
     req = _request(args, "def ")
     if args.chat:
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from .engine import prepare_process
+    from ..engine import prepare_process
 
     prepare_process(args.engine)  # may re-exec the process (Linux BLAS): notes come after it
     if note:

@@ -23,9 +23,9 @@ import re
 import sys
 from collections.abc import Sequence
 
-from .config import Config, ConfigError, load_config
-from .control.memory_plan import GIB, lm_facts, plan
-from .engine.registry import ENGINES, engine_spec
+from ..config import Config, ConfigError, load_config
+from ..control.memory_plan import GIB, lm_facts, plan
+from ..engine.registry import ENGINES, engine_spec
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": GIB, "gb": GIB, "gib": GIB, "t": 2**40, "tb": 2**40, "tib": 2**40}
@@ -55,7 +55,7 @@ def parse_hosts(text: str, where: str = "--hosts") -> list[tuple[str, int]]:
 def local_memory() -> int:
     """This machine's limit as the trainer reads it: MLXDIST_MEMORY_LIMIT_BYTES/_FILE, else
     Metal's recommended working set on a Mac (when MLX loads), else the cgroup's or RAM."""
-    from .engine.memory import METAL_WORKING_SET_KEY, MemoryReading, process_reading, with_override
+    from ..engine.memory import METAL_WORKING_SET_KEY, MemoryReading, process_reading, with_override
 
     if sys.platform == "darwin":
         try:
@@ -72,7 +72,7 @@ def local_memory() -> int:
 def hostfile_ranks(path: str, memory: str | None) -> list[tuple[str, int]]:
     """The hostfile's ranks (host, its memory / slots), sized by `--memory` or, for this
     machine, by its own limit."""
-    from .launch.hosts import LOCAL_NAMES, LaunchError, read_hostfile
+    from ..launch.hosts import LOCAL_NAMES, LaunchError, read_hostfile
 
     try:
         entries = read_hostfile(path)
@@ -99,22 +99,22 @@ def model_numbers(cfg: Config, engine: str) -> tuple[int, int | None, int, str]:
     """(trained parameters, activation bytes per sample or None, ZeRO-3 unit, what it is)."""
     facts = lm_facts(cfg)
     if facts is not None:
-        from .models.presets import human
+        from ..models.presets import human
 
         return (facts.n_params, facts.activation_bytes_per_sample, facts.gather_params,
                 f"model: preset {cfg.model.preset}, {human(facts.n_params)} parameters; data.seq_len "
                 f"{cfg.data.seq_len}")
     if not cfg.task.factory:
-        from .models.build import inspect_base
+        from ..models.build import inspect_base
 
         if cfg.finetune.method != "full":
             raise ConfigError(f"finetune.method={cfg.finetune.method}: only the adapters train, and their state is "
                               "small; the planner sizes full training (finetune.method=full)")
         info = inspect_base(cfg)
         return info.n_params, None, 0, f"model: {info.model_type} from {info.path}, {info.n_params:,} parameters"
-    from .models.build import built_from_task
-    from .tasks import TaskContext
-    from .tasks.load import resolve_task
+    from ..models.build import built_from_task
+    from ..tasks import TaskContext
+    from ..tasks.load import resolve_task
 
     task = resolve_task(cfg)
     spec = engine_spec(engine)
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.memory and not args.hostfile:
             raise ConfigError("--memory: sizes a --hostfile's hosts; with --hosts write NAME=SIZE there")
-        from .tasks.load import config_file
+        from ..tasks.load import config_file
 
         config_file(args.config, "--config")
         cfg = load_config(args.config, args.overrides)

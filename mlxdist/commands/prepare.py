@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .data.shards import write_shards
-from .data.tokenizer import ByteTokenizer
+from ..data.shards import write_shards
+from ..data.tokenizer import ByteTokenizer
 
 
 def documents(paths: list[Path], field: str) -> Iterator[str]:
@@ -40,7 +40,7 @@ def _encoder(model_path: str | None) -> tuple[Callable[[str], np.ndarray], int]:
     if model_path is None:
         tok = ByteTokenizer()
         return (lambda text: tok.encode(text, eos=True)), tok.vocab_size
-    from .data.hf_tokenizer import load_tokenizer
+    from ..data.hf_tokenizer import load_tokenizer
 
     hf = load_tokenizer(model_path)
     return (lambda text: np.array(hf.encode(text) + [hf.eos], dtype=np.int64)), hf.vocab_size

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .launch.hosts import HostEntry, LaunchError, read_hostfile
+from ..launch.hosts import HostEntry, LaunchError, read_hostfile
 
 JOB = "mlxdist"
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import yaml
 
-from .config import Config, ConfigError, describe_keys, load_config
-from .engine import ENGINES, prepare_process
-from .errors import error_line
-from .tasks import Task
-from .tasks.load import checked
+from ..config import Config, ConfigError, describe_keys, load_config
+from ..engine import ENGINES, prepare_process
+from ..errors import error_line
+from ..tasks import Task
+from ..tasks.load import checked
 
 # Nothing above imports MLX: `main` may still re-exec the process with OpenBLAS preloaded.
 
@@ -66,7 +66,7 @@ def fit(task: Task, config: str | Path | Config | None = None, overrides: Sequen
     `mpirun -np N python my_train.py` every rank calls it. `config` is a YAML path or a
     Config; `overrides` are `key=value` strings. Call it before anything imports MLX so
     Linux can re-exec with a fast BLAS (it says so when it is too late)."""
-    from .blas import late_note
+    from ..blas import late_note
 
     prepare_process(engine)
     spec = ENGINES.get(engine)
@@ -106,13 +106,13 @@ def _run(cfg: Config, engine: str, device: str, task: Task | None = None) -> int
 def _abort_peers(code: int) -> None:
     """Under mpirun, one rank's fatal error must end every rank, not leave them waiting; the
     job's exit status is still the error's (2: fix the input)."""
-    from .cluster.world import abort_peers
+    from ..cluster.world import abort_peers
 
     abort_peers(code)
 
 
 def train(cfg: Config, engine_name: str = "mlx", device: str = "auto", task: Task | None = None) -> int:
-    from .training.loop import Trainer  # imports MLX or torch: after the BLAS re-exec
+    from ..training.loop import Trainer  # imports MLX or torch: after the BLAS re-exec
 
     return Trainer(cfg, engine_name, device, task).run()
 

@@ -46,10 +46,10 @@ import numpy as np
 import torch
 import transformers
 
-from . import torch as md
-from .config import ConfigError
-from .markers import write_line
-from .yourloop import session as _session
+from .. import torch as md
+from ..config import ConfigError
+from ..markers import write_line
+from ..yourloop import session as _session
 
 _NAME = "mlxdist.hf"
 _CHUNK = 1 << 28  # bytes of a checkpoint file per broadcast

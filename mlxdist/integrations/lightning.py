@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from . import torch as md
+from .. import torch as md
 
 _NAME = "mlxdist.lightning"
 _CLASSES: dict[str, type] = {}
