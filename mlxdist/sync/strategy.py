@@ -36,6 +36,7 @@ class Strategy(ABC):
     engine's gradient sum (data parallel's exchange; others may ignore it)."""
 
     drift_check: bool = False  # whether all ranks should hold bit-identical weights after every step
+    redo_after_oom: bool = True  # the loop may redo a step's micro-batches smaller after an out-of-memory
 
     @classmethod
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
@@ -53,6 +54,17 @@ class Strategy(ABC):
         reach the outer sync together. A step sat out computes nothing, `step` returns the
         last stats unchanged, and the loop neither judges nor reports it."""
         return True
+
+    def forward_backward(self, engine: Engine, batches: list[Batch]) -> float:
+        """The loop's forward-backward phase: this rank's micro-batches of the step, their
+        gradients left in the engine for `step`. Returns the seconds of it spent waiting for
+        other ranks, which the loop does not count as compute (none here: data parallel
+        exchanges in `step`, or beside the last backward without waiting)."""
+        for i, batch in enumerate(batches):
+            if i == len(batches) - 1:
+                self.before_last_backward(engine)
+            engine.micro_step(batch)
+        return 0.0
 
     @abstractmethod
     def step(self, engine: Engine, lr: float) -> StepStats:
