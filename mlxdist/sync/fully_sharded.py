@@ -56,6 +56,7 @@ import numpy as np
 from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
+from ..control.memory_plan import Bytes, RankNeed
 from ..control.run_plan import RunPlan
 from ..engine.base import Engine, StepStats
 from ..tasks import Batch
@@ -188,6 +189,18 @@ class FullyShardedDataParallel(ShardedDataParallel):
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
         check_stageable(cfg, world, engine)
         super().check(cfg, world, engine, plan)
+
+    @classmethod
+    def memory(cls, need: RankNeed) -> Bytes:
+        """ZeRO-2's shards plus the weights' (4 N f), one gathered stage (fp32 and its compute
+        copy) and its gradient (4 G), only the stages' inputs kept for backward. The update's p
+        is the shard held anyway: the mask and the new p and state, (5 + S) N f. Whole: every
+        rank builds the whole model at start (4 N) before it cuts its slice; the checkpoint
+        writer gathers the weights and state to save them ((4 + S) N)."""
+        shard, s, g = need.shard, need.state_bytes, need.gather
+        act = need.activations if need.staged_activations is None else need.staged_activations
+        return Bytes(4 * shard + (4 + need.copy) * g, 4 * shard, s * shard, act, (5 + s) * shard, 4 * g,
+                     (4 + s) * need.n if need.writer else 4 * need.n)
 
     def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer=None,
                  transport: Transport | None = None):
