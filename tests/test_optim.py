@@ -16,6 +16,7 @@ from test_sharded import SPLIT, TORCH, _checkpoint, _events, _max_diff, _ok, _tr
 from mlxdist.config import load_config
 from mlxdist.control.memory_plan import MODES, plan
 from mlxdist.engine.base import local_step
+from mlxdist.sync.strategy import memory_lines
 from mlxdist.tasks import Batch
 
 LION = "train.optimizer=lion"
@@ -129,8 +130,8 @@ def test_the_plan_counts_half_of_adamws_optimizer_bytes():
     """`python -m mlxdist.plan`'s numbers: every mode's optimizer column halves under Lion, and
     the update's new state with it (AdamW: new p, m, v, 12 bytes a parameter; Lion 8)."""
     hosts, n = [("studio", 64 * 2**30), ("macbook", 16 * 2**30)], 10_000_000
-    plans = {o: plan(load_config(None, [f"train.optimizer={o}", "dist.shard=auto"]), hosts, n, None)
-             for o in ("adamw", "lion")}
+    plans = {o: plan(load_config(None, [f"train.optimizer={o}", "dist.shard=auto"]), hosts, n, None,
+                  memory=memory_lines()) for o in ("adamw", "lion")}
     for mode in MODES:
         for a, b in zip(plans["adamw"].needs[mode], plans["lion"].needs[mode], strict=True):
             assert b.optimizer * 2 == a.optimizer > 0, mode

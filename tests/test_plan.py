@@ -9,18 +9,48 @@ import pytest
 
 from mlxdist.commands.plan import main, parse_hosts, parse_size
 from mlxdist.config import load_config
+from mlxdist.control import memory_plan
 from mlxdist.control.memory_plan import (
     GIB,
     MODES,
+    Bytes,
+    RankNeed,
     choose_mode,
-    estimate,
     lm_activation_bytes_per_sample,
     lm_facts,
-    plan,
 )
 from mlxdist.models.presets import param_count, resolve
+from mlxdist.sync.strategy import memory_lines
 
 N = 1_000_000
+LINES = memory_lines()  # each mode's line of the plan, its strategy's `memory`
+
+
+def estimate(*args, **kwargs) -> Bytes:
+    return memory_plan.estimate(*args, memory=LINES, **kwargs)
+
+
+def plan(*args, **kwargs) -> memory_plan.Plan:
+    return memory_plan.plan(*args, memory=LINES, **kwargs)
+
+
+def test_each_mode_line_is_its_strategys_and_a_new_one_brings_its_own():
+    from mlxdist.sync.fully_sharded import FullyShardedDataParallel
+    from mlxdist.sync.sharded import ShardedDataParallel
+
+    assert LINES["weights"] == FullyShardedDataParallel.memory and LINES["gradients"] == ShardedDataParallel.memory
+    seen: list[RankNeed] = []
+
+    def mine(need: RankNeed) -> Bytes:
+        seen.append(need)
+        return Bytes(need.shard, 0, 0, None)
+
+    p = memory_plan.plan(_cfg(), [("a", 8 * GIB), ("b", 8 * GIB)], 1000, 10, memory={**LINES, "weights": mine})
+    assert [b.total for b in p.needs["weights"]] == [500, 500] and [n.ranks for n in seen] == [2, 2]
+    assert [b.total for b in p.needs["gradients"]] == [b.total for b in plan(_cfg(), [("a", 8 * GIB)] * 2, 1000,
+                                                                               10).needs["gradients"]]
+    with pytest.raises(ValueError, match="no memory line for dist.shard=weights"):
+        memory_plan.estimate(N, "weights", 0.5, 1, 0, memory={"none": LINES["none"]})
 
 
 def test_estimate_data_parallel_holds_everything_and_the_update_beside_it():

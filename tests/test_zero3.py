@@ -16,6 +16,7 @@ from test_sharded import SPLIT, UNEQUAL, _checkpoint, _events, _max_diff, _ok, _
 
 from mlxdist.config import load_config
 from mlxdist.control.memory_plan import lm_facts, plan
+from mlxdist.sync.strategy import memory_lines
 
 # The built-in tiny LM (771,456 parameters, 6 stages: embedding, 4 blocks, head), clipped
 # (grad_norm ~6 against 0.5). lr 3e-4: AdamW turns a near-zero gradient's rounding into an
@@ -160,7 +161,7 @@ def test_auto_takes_zero3_when_nothing_less_fits(tmp_path):
     facts = lm_facts(cfg)
 
     def need(mode: str, limit: int) -> int:
-        p = plan(cfg, [("vm", limit)] * 2, facts.n_params, facts.activation_bytes_per_sample,
+        p = plan(cfg, [("vm", limit)] * 2, facts.n_params, facts.activation_bytes_per_sample, memory=memory_lines(),
                  gather_params=facts.gather_params, staged_act_per_sample=facts.staged_activation_bytes_per_sample)
         return max(b.total for b in p.needs[mode])
 

@@ -107,6 +107,7 @@ def _limit(common: list[str], n: int) -> tuple[int, dict]:
 
     from ..config import load_config
     from ..control.memory_plan import lm_facts, plan
+    from ..sync.strategy import memory_lines
 
     cfg = load_config(None, [*common, "dist.shard=auto"])
     facts = lm_facts(cfg)
@@ -114,7 +115,7 @@ def _limit(common: list[str], n: int) -> tuple[int, dict]:
 
     def at(limit: int):
         return plan(cfg, [(host, limit)] * n, facts.n_params, facts.activation_bytes_per_sample,
-                    gather_params=facts.gather_params,
+                    memory=memory_lines(), gather_params=facts.gather_params,
                     staged_act_per_sample=facts.staged_activation_bytes_per_sample)
 
     probe = at(2**40)

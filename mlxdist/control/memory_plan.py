@@ -74,6 +74,11 @@ n_heads, n_layers, vocab_size and seq_len varied), each within 4%; `base` and a 
 model, not in the fit, within 3%. Metal's fused attention may keep no seq x seq matrix: there
 the estimate errs high.
 
+Each mode's line is its strategy's (`Strategy.memory(need)`, the table's row for that mode, in
+`sync/`): this module keeps what every line shares (`RankNeed`, `Bytes`, the split, the
+activations, the printing) and is handed the lines (`sync.strategy.memory_lines()`), since
+a policy here imports no strategy (they use the cluster).
+
 Shards are proportional to each rank's budget (`proportional_split` of the N elements by
 memory x memory_target), so a 128 GB Studio holds more of the optimizer state than a 16 GB
 MacBook. `auto` is the least sharding (none < optimizer < gradients < weights) whose every
@@ -83,7 +88,7 @@ rank fits its budget.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..optim import OPTIMIZERS, make_optimizer
@@ -131,41 +136,47 @@ class Bytes:
                                                    self.gradients + self.update, self.whole_model)
 
 
+@dataclass(frozen=True)
+class RankNeed:
+    """What one rank's line of the plan is computed from, for a strategy's `memory` (the
+    module's table): N trained parameters, the rank's shard of the sharded state, ..."""
+
+    mode: str  # the dist.shard mode the line is for
+    n: int  # trained parameters
+    shard: int  # this rank's elements of every sharded state: ceil(N f)
+    copy: int  # bytes a parameter of the compute copy the forward casts (0 for float32)
+    state_bytes: int  # the optimizer's state a parameter (AdamW 8, Lion 4)
+    activations: int | None  # the micro-batch's, backward's; None: not estimated
+    staged_activations: int | None  # the micro-batch's when only the stages' inputs are kept (ZeRO-3)
+    gather: int  # parameters of the largest stage (ZeRO-3's unit of gathering), at most n
+    ranks: int  # in the run
+    writer: bool  # this rank gathers the whole model and moments to save a checkpoint
+
+
+MemoryLine = Callable[[RankNeed], Bytes]
+
+
 def estimate(n_params: int, mode: str, shard_fraction: float, micro_batch: int,
-             activation_bytes_per_sample: int | None, dtype: str = "float32", *,
+             activation_bytes_per_sample: int | None, dtype: str = "float32", *, memory: Mapping[str, MemoryLine],
              gather_params: int = 0, ranks: int = 1, staged_activation_bytes_per_sample: int | None = None,
              writer: bool = False, state_bytes: int = 8) -> Bytes:
-    """Bytes one rank holds training `n_params` parameters under `mode` (see the module's
-    table), owning `shard_fraction` of every sharded state, at `micro_batch` samples, in a run
-    of `ranks` ranks (data parallel's reducer keeps a summed copy of the gradients on 2+).
-    ZeRO-3 keeps only the stages' inputs (`staged_activation_bytes_per_sample`, default the
-    others'); a checkpoint `writer` gathers the moments too when it saves. `state_bytes`: the
-    optimizer's state per parameter (AdamW 8, Lion 4)."""
+    """Bytes one rank holds training `n_params` parameters under `mode`, as `memory[mode]` (its
+    strategy's line: `sync.strategy.memory_lines()`) counts them, owning `shard_fraction` of
+    every sharded state, at `micro_batch` samples, in a run of `ranks` ranks. ZeRO-3 keeps only
+    the stages' inputs (`staged_activation_bytes_per_sample`, default the others'); a checkpoint
+    `writer` gathers the moments too when it saves. `state_bytes`: the optimizer's state per
+    parameter (AdamW 8, Lion 4)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if not 0.0 <= shard_fraction <= 1.0:
         raise ValueError(f"shard_fraction {shard_fraction} is not within 0..1")
-    n, f = n_params, shard_fraction
-    compute = COMPUTE_BYTES[dtype]
-    copy = 0 if dtype == "float32" else compute
-    shard = math.ceil(n * f)  # this rank's elements
+    if mode not in memory:
+        raise ValueError(f"no memory line for dist.shard={mode}: pass sync.strategy.memory_lines()")
     act = None if activation_bytes_per_sample is None else micro_batch * activation_bytes_per_sample
-    s = state_bytes  # AdamW's 8 in the module's table: the new p beside the old is 4 + s (12 N)
-    if mode == "none":
-        return Bytes((4 + copy) * n, 4 * n * (2 if ranks > 1 else 1), s * n, act, (4 + s) * n, 4 * n)
-    update = (9 + s) * shard
-    if mode == "weights":
-        g = min(gather_params, n)
-        if staged_activation_bytes_per_sample is not None:
-            act = micro_batch * staged_activation_bytes_per_sample
-        # The update's p is the shard the rank holds anyway: the mask and the new p, m, v, 13 N f.
-        # Whole: every rank builds the whole model at start (4 N) before it cuts its slice; the
-        # checkpoint writer gathers the weights and moments to save (12 N).
-        return Bytes(4 * shard + (4 + copy) * g, 4 * shard, s * shard, act, (5 + s) * shard, 4 * g,
-                     (4 + s) * n if writer else 4 * n)
-    update = max(update, 4 * n + shard)  # the all-gathered weights set beside the old ones
-    gradients = 4 * n + 4 * shard if mode == "optimizer" else 4 * shard
-    return Bytes((4 + copy) * n, gradients, s * shard, act, update, 4 * n)
+    staged = None if staged_activation_bytes_per_sample is None else micro_batch * staged_activation_bytes_per_sample
+    copy = 0 if dtype == "float32" else COMPUTE_BYTES[dtype]
+    return memory[mode](RankNeed(mode, n_params, math.ceil(n_params * shard_fraction), copy, state_bytes, act,
+                                 staged, min(gather_params, n_params), ranks, writer))
 
 
 def choose_mode(needs: dict[str, Sequence[int]], budgets: Sequence[int]) -> str | None:
@@ -360,11 +371,12 @@ class Plan:
 
 
 def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: int | None, *,
-         gather_params: int = 0, staged_act_per_sample: int | None = None) -> Plan:
+         memory: Mapping[str, MemoryLine], gather_params: int = 0, staged_act_per_sample: int | None = None) -> Plan:
     """The plan for ranks on `hosts` ((host name, memory limit in bytes), one per rank in rank
     order): memory_target and micro-batch per rank from the config as the trainer reads them
     (`Config.node_for`), bytes from `estimate`, shards by `split.shard_bounds` (the split the
-    sharded strategies train with). `act_per_sample` None: activations are not counted (a note says so)."""
+    sharded strategies train with). `memory`: each mode's line (`sync.strategy.memory_lines()`).
+    `act_per_sample` None: activations are not counted (a note says so)."""
     if not hosts:
         raise ValueError("plan: no ranks")
     if n_params < 1:
@@ -376,7 +388,7 @@ def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: i
     shard_sizes = [b - a for a, b in shard_bounds(n_params, budgets, cfg.dist.shard_split)]
     state_bytes = make_optimizer(cfg.train.optimizer, cfg.train).state_bytes
     needs = {m: [estimate(n_params, m, s / n_params, r.micro_batch, act_per_sample, cfg.model.dtype,
-                          gather_params=gather_params, ranks=len(ranks), writer=r.rank == 0,
+                          memory=memory, gather_params=gather_params, ranks=len(ranks), writer=r.rank == 0,
                           staged_activation_bytes_per_sample=staged_act_per_sample, state_bytes=state_bytes)
                  for r, s in zip(ranks, shard_sizes, strict=True)] for m in MODES}
     choice = choose_mode({m: [b.total for b in bs] for m, bs in needs.items()}, [r.budget for r in ranks])

@@ -44,7 +44,6 @@ class StepStats:
     sync_seconds: float = 0.0
     sync_bytes: int = 0
     sync_overlapped: int = 0  # gradient buckets sent while backward still ran
-    compute_seconds: float = 0.0  # forward/backward the strategy ran in its step (ZeRO-3's stages)
     local: bool = False  # loss, tokens and norm are this rank's own (no exchange this step)
     why_skipped: str = "non-finite loss/gradients"
     metrics: dict[str, float] = field(default_factory=dict)  # the task's, per unit (or per its count)
@@ -124,16 +123,10 @@ class ShardOps(Protocol):
 
 class StagedOps(ShardOps, Protocol):
     """What ZeRO-3 (`sync/fully_sharded.py`) needs besides: the model run stage by stage
-    (`model.stages()`), its micro-batches held for the step, its weights let go of."""
+    (`model.stages()`), its weights let go of."""
 
     def stage_names(self) -> list[list[str]] | None:
         """Each stage's parameter names, in order; None: the model has no `stages()`."""
-
-    def hold_batches(self) -> None:
-        """From now on `micro_step` keeps its batch for the strategy's step, computing nothing."""
-
-    def held_batches(self) -> list[Batch]:
-        """The batches held since the last call."""
 
     def staged(self, batch: Batch, fetch: Callable[[int], list], hand: Callable[[int, list], None]) -> None:
         """Forward and backward of `batch` a stage at a time: `fetch(i)` gives stage i's weights,

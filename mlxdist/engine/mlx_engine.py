@@ -36,7 +36,7 @@ from .base import (
 )
 from .common import check_weights, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mlx_memory_limit, with_override
-from .staged import HoldsBatches, Output, Staged, StagedShardOps, model_input
+from .staged import Output, ReleasesWeights, Staged, StagedShardOps, model_input
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -49,7 +49,7 @@ def _pairs(totals: dict, counts: dict) -> dict:
     return {n: (t, counts.get(n)) for n, t in totals.items()}
 
 
-class MLXEngine(HoldsBatches):
+class MLXEngine(ReleasesWeights):
     name = "mlx"
 
     def __init__(self, cfg: Config, task: Task | None = None, args=None, micro_batch: int = 0):
@@ -142,9 +142,6 @@ class MLXEngine(HoldsBatches):
 
     def micro_step(self, batch) -> None:
         batch = as_batch(batch)
-        if self._held is not None:
-            self._held.append(batch)
-            return
         with sample_seeds_of(batch):
             (loss, totals, counts), grads = self._value_and_grad(self.params, self._arrays(batch.data))
         if self._grads is None:
@@ -207,8 +204,6 @@ class MLXEngine(HoldsBatches):
 
     def discard_gradients(self) -> None:
         self._reset_accumulators()
-        if self._held is not None:
-            self._held = []
 
     # -- dist.shard=weights: the model stage by stage ------------------------------
     def staged_step(self, batch, fetch: Callable[[int], list], hand: Callable[[int, list], None]) -> None:

@@ -77,19 +77,11 @@ def model_input(loss: Callable, model: Any, data: Any, task: str) -> Any:
                     "model; use dist.shard=gradients")
 
 
-class HoldsBatches:
-    """What an engine adds for ZeRO-3: micro-batches held for the strategy's step, and weights
-    that may be released (`release_weights`), after which reading them is an error, not zeros."""
+class ReleasesWeights:
+    """What an engine adds for ZeRO-3: weights that may be released (`release_weights`), after
+    which reading them is an error, not zeros."""
 
-    _held: list | None = None
     released: bool = False
-
-    def hold_batches(self) -> None:
-        self._held = []
-
-    def held_batches(self) -> list[Batch]:
-        held, self._held = self._held, []
-        return held
 
     def _whole(self, what: str) -> None:
         if self.released:
@@ -99,7 +91,7 @@ class HoldsBatches:
 
 class StagedShardOps:
     """`engine.base.StagedOps`' part that is the same for both engines: it hands on to the
-    engine (`HoldsBatches` and its `staged_step`, `staged_eval`, `take_totals`, `release_weights`)."""
+    engine (`ReleasesWeights` and its `staged_step`, `staged_eval`, `take_totals`, `release_weights`)."""
 
     engine: Any
 
@@ -107,12 +99,6 @@ class StagedShardOps:
         """Each stage's parameters in `model.stages()`' order, or None for a model without stages."""
         stages = getattr(self.engine.model, "stages", None)
         return None if stages is None else [list(names) for names, _ in stages()]
-
-    def hold_batches(self) -> None:
-        self.engine.hold_batches()
-
-    def held_batches(self) -> list[Batch]:
-        return self.engine.held_batches()
 
     def staged(self, batch: Batch, fetch: Callable, hand: Callable) -> None:
         self.engine.staged_step(batch, fetch, hand)

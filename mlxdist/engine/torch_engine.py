@@ -48,7 +48,7 @@ from .base import (
 )
 from .common import check_weights, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mps_reading, process_reading, with_override
-from .staged import HoldsBatches, Output, Staged, StagedShardOps, model_input
+from .staged import Output, ReleasesWeights, Staged, StagedShardOps, model_input
 from .torch_grads import ParamGradients
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -175,7 +175,7 @@ def _ours(name: str, a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.T) if flipped(name) else a
 
 
-class TorchEngine(HoldsBatches):
+class TorchEngine(ReleasesWeights):
     """Engine protocol (`engine/base.py`) on one torch device."""
 
     name = "torch"
@@ -483,9 +483,6 @@ class TorchEngine(HoldsBatches):
         self._updates = int(step)
 
     def micro_step(self, batch) -> None:
-        if self._held is not None:
-            self._held.append(as_batch(batch))
-            return
         loss, n = self._summed_loss(self._forward, as_batch(batch))
         if self.scaler is not None:
             if not self._scaler_ready:
@@ -587,8 +584,6 @@ class TorchEngine(HoldsBatches):
         self._grads.on_gradient_ready(None)  # the retry's early micro-batches must not look final
         self._zero_grad()
         self._reset_accumulators()
-        if self._held is not None:
-            self._held = []
 
     # -- dist.shard=weights: the model stage by stage (sync/fully_sharded.py) ------------
     def staged_step(self, batch, fetch: Callable[[int], list], hand: Callable[[int, list], None]) -> None:

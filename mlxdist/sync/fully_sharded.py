@@ -12,11 +12,11 @@ the forward pass and again in the backward pass (which recomputes the stage from
 leaves it, each rank adding its range into its gradient shard. So in a step a rank holds one
 stage's weights and gradient, the stages' inputs, and its shards.
 
-Every rank must take part in every gather, whatever its micro-batches (3+5 samples may be one
-micro-batch here and two there), so micro-batches wait for the step: the engine only holds
-them (`hold_batches`), the step agrees on the most any rank has, and a rank with fewer joins
+The loop's forward-backward phase runs it (`forward_backward`, the strategy's hook): every rank
+must take part in every gather, whatever its micro-batches (3+5 samples may be one micro-batch
+here and two there), so the phase agrees on the most any rank has, and a rank with fewer joins
 the remaining rounds' exchanges with zero gradients, computing nothing. Stages run in the same
-order everywhere, so the exchanges pair up.
+order everywhere, so the exchanges pair up. The step phase is then only the update.
 
 On the wire a micro-batch moves the weights twice (forward and backward) and the gradients
 once: 1.5 times the bytes of data parallel's all-reduce, per micro-batch (data parallel sends
@@ -39,8 +39,8 @@ with `torch.autograd.grad`), through `engine.shard_ops()` (`engine.base.StagedOp
 module knows neither framework. Not here (one line at start instead): models without
 `stages()` (a task's, a pretrained `model.path`), LoRA, models with buffers, `train.ema`, a
 task's own optimizer, torch's fp16 GradScaler.
-An out-of-memory inside the step is not retried with a smaller micro-batch (the computing
-happens inside the exchange, where ranks cannot redo alone); the planner sizes it.
+An out-of-memory in the forward-backward phase is not retried with a smaller micro-batch (the
+computing happens inside the exchange, where ranks cannot redo alone); the planner sizes it.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ import numpy as np
 from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
+from ..control.memory_plan import Bytes, RankNeed
 from ..control.run_plan import RunPlan
 from ..engine.base import Engine, StepStats
+from ..tasks import Batch
 from ..tasks.metrics import means
 from .sharded import ShardedDataParallel
 
@@ -181,10 +183,24 @@ class ExchangeThread:
 class FullyShardedDataParallel(ShardedDataParallel):
     """ZeRO-2 whose weights are sharded too; the model computed stage by stage."""
 
+    redo_after_oom = False  # a rank cannot redo its stages alone: the others are in the exchange
+
     @classmethod
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
         check_stageable(cfg, world, engine)
         super().check(cfg, world, engine, plan)
+
+    @classmethod
+    def memory(cls, need: RankNeed) -> Bytes:
+        """ZeRO-2's shards plus the weights' (4 N f), one gathered stage (fp32 and its compute
+        copy) and its gradient (4 G), only the stages' inputs kept for backward. The update's p
+        is the shard held anyway: the mask and the new p and state, (5 + S) N f. Whole: every
+        rank builds the whole model at start (4 N) before it cuts its slice; the checkpoint
+        writer gathers the weights and state to save them ((4 + S) N)."""
+        shard, s, g = need.shard, need.state_bytes, need.gather
+        act = need.activations if need.staged_activations is None else need.staged_activations
+        return Bytes(4 * shard + (4 + need.copy) * g, 4 * shard, s * shard, act, (5 + s) * shard, 4 * g,
+                     (4 + s) * need.n if need.writer else 4 * need.n)
 
     def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer=None,
                  transport: Transport | None = None):
@@ -201,7 +217,6 @@ class FullyShardedDataParallel(ShardedDataParallel):
         self.rounds_run = 0
         self._depth = 0  # whole_model's nesting
         self.exchanges = ExchangeThread(self._gather_stage, self._reduce, world.watch)
-        self.ops.hold_batches()
 
     def describe(self) -> str | None:
         line = (super().describe().replace(f"{self.optimizer.title} state of",
@@ -272,23 +287,29 @@ class FullyShardedDataParallel(ShardedDataParallel):
                                   else "the last exchanges of this micro-batch")
         return out
 
-    # -- the step ---------------------------------------------------------------------
-    def step(self, engine: Engine, lr: float) -> StepStats:
+    # -- the loop's phases --------------------------------------------------------------
+    def forward_backward(self, engine: Engine, batches: list[Batch]) -> float:
+        """The step's micro-batches a stage at a time, each stage's gather and reduce-scatter on
+        the exchange thread beside the compute; the gradients land in this rank's shard.
+        Returns the seconds the compute waited: for the other ranks to arrive, and for
+        exchanges the compute could not hide."""
+        t0 = time.perf_counter()
         self.world.rendezvous("waiting for the other ranks to finish reading their batches")
-        batches = self.ops.held_batches()
+        arrived = time.perf_counter() - t0
         self.grad = np.zeros(self.hi - self.lo, np.float32)
         self.exchanges.reset_clock()
-        t0 = time.perf_counter()
         self._rounds(batches, lambda b: self.ops.staged(b, self._fetch, self._hand), backward=True)
-        step_s = time.perf_counter() - t0
+        return arrived + self.exchanges.waited_s
+
+    def step(self, engine: Engine, lr: float) -> StepStats:
+        """The update of this rank's shard from the gradients `forward_backward` reduced."""
         local = self.ops.totals()
         loss_sum, count, *metrics = self.world.allreduce_sum([local.loss_sum, local.count,
                                                               *local.metrics.flat(local.count)])
         summed, self.grad = self.grad, np.zeros(0, np.float32)
         stats = self._update(engine, summed, loss_sum, int(count), lr)
         stats.metrics = means(local.metrics.names(), metrics)
-        stats.sync_seconds = self.exchanges.busy_s  # the exchanges' own time, partly beside the compute
-        stats.compute_seconds = step_s - self.exchanges.waited_s  # what the compute did not spend waiting
+        stats.sync_seconds = self.exchanges.busy_s  # the exchanges' own time, mostly beside the compute
         # Per round, the schedule's: each stage's weights twice (the last once) and its gradients
         # once, a tied embedding in both its stages; this rank's link carries about (1 - f) of it.
         wire = 4 if self.wire == "float32" else 2

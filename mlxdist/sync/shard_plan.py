@@ -22,13 +22,15 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], l
     DiLoCo (each rank its own model and outer state: another plan) and a rank whose limit is
     unknown (0) are not checked."""
     from ..control.memory_plan import lm_facts, plan
+    from .strategy import memory_lines
 
     n_params = int(sum(engine.gradient_sizes()))
     if cfg.dist.shard == "none" and (cfg.dist.mode == "diloco" or min(limits) <= 0 or n_params < 1):
         return "none", []
     facts = lm_facts(cfg) if builtin_lm else None
     mp = plan(cfg, list(zip(hosts, limits, strict=True)), n_params,
-              facts.activation_bytes_per_sample if facts else None, gather_params=facts.gather_params if facts else 0,
+              facts.activation_bytes_per_sample if facts else None, memory=memory_lines(),
+              gather_params=facts.gather_params if facts else 0,
               staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None)
     spec = engine_spec(engine.name)  # which modes it shards (engine/registry.py)
     if cfg.dist.shard == "none":

@@ -74,6 +74,7 @@ from ..cluster.codec import make_codec
 from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
+from ..control.memory_plan import Bytes, RankNeed
 from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
@@ -111,6 +112,17 @@ class ShardedDataParallel(DataParallel):
     @classmethod
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
         check_shardable(cfg, world, engine, plan.shard)
+
+    @classmethod
+    def memory(cls, need: RankNeed) -> Bytes:
+        """Data parallel's weights; the optimizer state's shard (S N f); at the update the
+        reduced shard (4 N f; ZeRO-1 still holds the whole gradients too, 4 N), then the shard's
+        p, the decay mask and the new p and state beside the old, (9 + S) N f, or the
+        all-gathered weights set beside the old ones (4 N + N f), whichever is higher."""
+        n, shard, s = need.n, need.shard, need.state_bytes
+        gradients = 4 * n + 4 * shard if need.mode == "optimizer" else 4 * shard
+        return Bytes((4 + need.copy) * n, gradients, s * shard, need.activations,
+                     max((9 + s) * shard, 4 * n + shard), 4 * n)
 
     def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer=None,
                  transport: Transport | None = None):

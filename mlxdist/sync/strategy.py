@@ -23,6 +23,7 @@ import numpy as np
 from ..cluster.transport import Transport
 from ..cluster.world import World
 from ..config import Config
+from ..control.memory_plan import MODES, Bytes, MemoryLine, RankNeed
 from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats
@@ -36,12 +37,23 @@ class Strategy(ABC):
     engine's gradient sum (data parallel's exchange; others may ignore it)."""
 
     drift_check: bool = False  # whether all ranks should hold bit-identical weights after every step
+    redo_after_oom: bool = True  # the loop may redo a step's micro-batches smaller after an out-of-memory
 
     @classmethod
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
         """Refuse, before anything is built, what this strategy cannot run: one line through
         `world.agreed_error` (every rank decides alike)."""
         return None
+
+    @classmethod
+    def memory(cls, need: RankNeed) -> Bytes:
+        """This strategy's line of the memory plan (`python -m mlxdist.plan`; the table in
+        `control/memory_plan.py`): what one rank holds. Data parallel's: the whole weights
+        (and the compute copy), gradients (and the reducer's summed copy on 2+ ranks) and
+        optimizer state; the update's new p and state beside the old."""
+        n, s = need.n, need.state_bytes
+        return Bytes((4 + need.copy) * n, 4 * n * (2 if need.ranks > 1 else 1), s * n, need.activations,
+                     (4 + s) * n, 4 * n)
 
     def describe(self) -> str | None:
         """A banner line, or None when there is nothing to say."""
@@ -53,6 +65,17 @@ class Strategy(ABC):
         reach the outer sync together. A step sat out computes nothing, `step` returns the
         last stats unchanged, and the loop neither judges nor reports it."""
         return True
+
+    def forward_backward(self, engine: Engine, batches: list[Batch]) -> float:
+        """The loop's forward-backward phase: this rank's micro-batches of the step, their
+        gradients left in the engine for `step`. Returns the seconds of it spent waiting for
+        other ranks, which the loop does not count as compute (none here: data parallel
+        exchanges in `step`, or beside the last backward without waiting)."""
+        for i, batch in enumerate(batches):
+            if i == len(batches) - 1:
+                self.before_last_backward(engine)
+            engine.micro_step(batch)
+        return 0.0
 
     @abstractmethod
     def step(self, engine: Engine, lr: float) -> StepStats:
@@ -166,6 +189,12 @@ def strategy_class(name: str) -> type[Strategy]:
         module, _, attr = entry.partition(":")
         entry = STRATEGIES[name] = getattr(importlib.import_module(module), attr)
     return entry
+
+
+def memory_lines() -> dict[str, MemoryLine]:
+    """Each dist.shard mode's line of the memory plan, its strategy's `memory` (handed to
+    `control.memory_plan.plan`, which imports no strategy)."""
+    return {mode: strategy_class(SHARD_NAMES.get(mode, "data_parallel")).memory for mode in MODES}
 
 
 def make_strategy(cfg: Config, world: World, engine: Engine, reducer, plan: RunPlan,

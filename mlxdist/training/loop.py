@@ -206,7 +206,6 @@ class Trainer:
                 batches = self.feed.get(self.state.step)
                 compute_s = self.forward_backward(batches) if trains else 0.0
                 lr, stats = self.optimizer_step()
-                compute_s += stats.compute_seconds
                 if self.rolled_back(stats, trains):
                     continue
                 self.advance()
@@ -228,21 +227,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
     def forward_backward(self, batches: list[Batch]) -> float:
-        """This rank's share of the step, in micro-batches. On out-of-memory the micro-batch
-        shrinks and the same samples are redone: the share is unchanged, so peers simply
-        wait in the exchange, and the new size reaches them at the next all-gather."""
+        """This rank's share of the step, in micro-batches, run by the strategy (ZeRO-3: a
+        stage at a time, beside its exchanges). Returns the seconds it computed: the phase,
+        less what it waited for other ranks (the balancer compares ranks by it). On
+        out-of-memory the micro-batch shrinks and the same samples are redone: the share is
+        unchanged, so peers simply wait in the exchange, and the new size reaches them at the
+        next all-gather. Not under a strategy whose ranks cannot redo alone (ZeRO-3)."""
         self.engine.reset_peak()
         t0 = time.perf_counter()
         while True:
             try:
-                for i, batch in enumerate(batches):
-                    if i == len(batches) - 1:
-                        self.sync.before_last_backward(self.engine)
-                    self.engine.micro_step(batch)
+                waited = self.sync.forward_backward(self.engine, batches)
                 self._units = sum(b.count for b in batches)
-                return time.perf_counter() - t0
+                return time.perf_counter() - t0 - waited
             except (MemoryError, RuntimeError) as e:
-                if not isinstance(e, MemoryError) and not _looks_like_oom(e):
+                if not self.sync.redo_after_oom or (not isinstance(e, MemoryError) and not _looks_like_oom(e)):
                     raise
                 batches = self._shrink_after_oom(e, batches)
 
