@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .adamw import AdamW
-from .base import Optimizer
 from .lion import Lion
+from .optimizer import Optimizer
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {o.name: o for o in (AdamW, Lion)}
 

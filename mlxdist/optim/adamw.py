@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .base import Optimizer
+from .optimizer import Optimizer
 
 
 @dataclass(frozen=True)
