@@ -68,14 +68,16 @@ def _events(out: Path, rank: int, kind: str) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
 
 
-def _rank_pid(rank: int) -> int:
+def _rank_pid(rank: int, run_dir: Path) -> int:
+    """This test's rank `rank`: the other xdist worker may be running ranks of its own job."""
+    mine = f"train.out_dir={run_dir}".encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"mlxdist.train" in cmdline and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+        if b"mlxdist.train" in cmdline and mine in cmdline and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
             return int(pid)
     raise AssertionError(f"no process of rank {rank}")
 
@@ -111,7 +113,7 @@ def test_second_ctrl_c_on_plain_mpirun_ends_at_once(tmp_path: Path) -> None:
     rank1 = None
     try:
         # A frozen rank keeps the first Ctrl-C's step from ending, so only the second can end it.
-        rank1 = _rank_pid(1)
+        rank1 = _rank_pid(1, tmp_path)
         os.kill(rank1, signal.SIGSTOP)
         term.press_ctrl_c()
         term.pump(0.5)
