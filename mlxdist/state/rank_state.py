@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,15 +43,27 @@ def _paths(root: Path, step: int, rank: int) -> tuple[Path, Path]:
 
 def save(root: Path, info: RankStateInfo, arrays: dict[str, np.ndarray], keep: int) -> Path:
     data_path, info_path = _paths(root, info.step, info.rank)
-    data_path.parent.mkdir(parents=True, exist_ok=True)
     data = to_safetensors(arrays)
     info.sha256 = hashlib.sha256(data).hexdigest()
     for path, blob in ((data_path, data), (info_path, json.dumps(asdict(info)).encode())):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        write_synced(tmp, blob)
-        os.replace(tmp, path)
+        _write_in_shared_folder(path, blob)
     _prune(root, info.rank, keep)
     return data_path
+
+
+def _write_in_shared_folder(path: Path, blob: bytes, tries: int = 5) -> None:
+    """Ranks on one host share a step folder, and another rank's prune may remove it while
+    it is still empty, between our mkdir and our write: make it again and retry."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    for attempt in range(tries):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            write_synced(tmp, blob)
+            break
+        except FileNotFoundError:
+            if attempt == tries - 1:
+                raise
+    os.replace(tmp, path)
 
 
 class RankStateMissing(Exception):
@@ -79,11 +90,14 @@ def load(root: Path, step: int, rank: int, world_size: int, hosts: list[str]) ->
 
 
 def _prune(root: Path, rank: int, keep: int) -> None:
-    """Keep this rank's newest `keep` files; other ranks prune their own."""
+    """Keep this rank's newest `keep` files; other ranks prune their own. The folder goes
+    only when empty (rmdir, never rmtree): another rank may be writing into it right now."""
     mine = sorted(p for p in root.glob(f"step_*/rank{rank}.json"))
     for info_path in mine[:-keep] if keep else []:
         data_path = info_path.with_name(f"rank{rank}.safetensors")
         data_path.unlink(missing_ok=True)
         info_path.unlink(missing_ok=True)
-        if not any(info_path.parent.iterdir()):
-            shutil.rmtree(info_path.parent, ignore_errors=True)
+        try:
+            info_path.parent.rmdir()
+        except OSError:
+            pass
