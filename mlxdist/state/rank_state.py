@@ -15,6 +15,7 @@ weights barely compress, and this file is written by every rank at every checkpo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -97,7 +98,5 @@ def _prune(root: Path, rank: int, keep: int) -> None:
         data_path = info_path.with_name(f"rank{rank}.safetensors")
         data_path.unlink(missing_ok=True)
         info_path.unlink(missing_ok=True)
-        try:
+        with contextlib.suppress(OSError):
             info_path.parent.rmdir()
-        except OSError:
-            pass
