@@ -20,6 +20,7 @@ engine's own sum) and divided by the cluster's units, so a MacBook's 3 samples a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import json
 import os
@@ -146,6 +147,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
         meta["param_groups"], meta["scalars"] = meta["param_groups"][0], meta["scalars"][0]
     tensors: dict[str, np.ndarray] = {}
     meta["user"] = {k: _pack_state(k, v, tensors) for k, v in state.items()}
+    meta["ranks_equal"] = _ranks_equal(step, arrays)
     return _session.save_checkpoint(_NAME, run_dir, step, arrays, opt_arrays, meta, keep_last, tensors)
 
 
@@ -179,6 +181,21 @@ def load_checkpoint(where: str | Path, model: torch.nn.Module, optimizer: Optimi
             opt.load_state_dict(_unpack_optimizer(prefix, opt_arrays, groups, scalars))
     user = {k: _unpack_state(k, v, tensors) for k, v in meta["user"].items()}
     return {"step": meta["step"], **user}
+
+
+def _ranks_equal(step: int, arrays: dict[str, np.ndarray]) -> bool:
+    """Whether every rank holds rank 0's model state (digests compared, collective): a
+    checkpoint saves rank 0's, so ranks that drifted apart are said, not hidden."""
+    s = _session.current(_NAME)
+    if s.size == 1:
+        return True
+    digests = s.world.allgather({n: hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+                                 for n, a in arrays.items()})
+    differ = [(r, n) for r, d in enumerate(digests) for n in d if d[n] != digests[0].get(n)]
+    if differ:
+        _say(s, f"{_NAME}.save_checkpoint: step {step}: rank {differ[0][0]}'s {differ[0][1]} differs from rank 0's "
+                f"({len(differ)} tensor(s) on other ranks do): the ranks drifted apart; rank 0's state is saved")
+    return not differ
 
 
 def _optimizers(optimizer: Optimizers) -> list[torch.optim.Optimizer]:

@@ -100,12 +100,12 @@ def start(framework: str, config: str | os.PathLike | Config | None = None, back
           stall_timeout: float | None = None, metrics_port: int | None = None) -> Session:
     """The process's session (made once; a second call returns the first)."""
     global _SESSION
+    let_errors_through_hydra()
     if stall_timeout is not None and not (math.isfinite(stall_timeout) and stall_timeout >= 1.0):
         raise ConfigError(f"init(stall_timeout={stall_timeout!r}): give a finite number of seconds >= 1 "
                           "(a NaN would turn stall detection off)")
     if _SESSION is not None:
         return _SESSION
-    let_errors_through_hydra()
     refuse_torchrun()
     cfg = config if isinstance(config, Config) or config is None else load_config(config)
     world = init_world(backend)
