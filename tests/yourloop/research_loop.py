@@ -16,7 +16,6 @@ import json
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
