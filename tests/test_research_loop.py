@@ -135,6 +135,7 @@ def research(tmp_path_factory) -> tuple[list[dict], Path]:
     r = _launch([sys.executable, str(HERE / "yourloop" / "research_loop.py"), str(d / "out"), str(d / "run")], 2,
                 d, {"MLXDIST_CONFIG": str(d / "split.yaml")})
     assert r.returncode == 0, r.stderr[-3000:]
+    (d / "run" / "stderr").write_text(r.stderr)
     return [json.loads((d / f"out-{rank}.json").read_text()) for rank in (0, 1)], d / "run"
 
 
@@ -165,13 +166,22 @@ def test_two_optimizers_are_broadcast_and_tensor_state_round_trips(research):
     (r0, r1), run = research
     assert r0["adam_exp_avg"] == r1["adam_exp_avg"]  # the second optimizer's state is rank 0's
     # md.rows: saved as every rank's rows in rank order; each rank loads its own.
-    saved = ckpt.load_latest(run / "checkpoints").extra["task"]
+    saved = ckpt.load(run / "checkpoints" / "step_00000001").extra["task"]
     np.testing.assert_array_equal(saved["rows/carry.z"][:, 0], [0, 0, 0, 1, 1, 1, 1, 1])
     assert r0["resumed_carry_z"] == [0.0] * 3 and r1["resumed_carry_z"] == [1.0] * 5
     assert r0["resumed_carry_halted"] == [True, False, True] and r1["resumed_carry_halted"][:2] == [False, True]
     # Plain tensors (an EMA copy, an RNG state) are rank 0's, the same on every rank.
     assert r0["resumed_ema_w"] == r1["resumed_ema_w"] and r0["rng_equal_to_rank0"] and r1["rng_equal_to_rank0"]
     assert r0["resumed_epoch"] == r1["resumed_epoch"] == 3
+
+
+@pytest.mark.cluster
+def test_a_checkpoint_of_ranks_that_drifted_apart_names_the_rank_and_tensor(research):
+    _, run = research
+    assert ckpt.load(run / "checkpoints" / "step_00000001").state["loop_state"]["ranks_equal"] is True
+    assert ckpt.load(run / "checkpoints" / "step_00000002").state["loop_state"]["ranks_equal"] is False
+    assert ("mlxdist.torch.save_checkpoint: step 2: rank 1's w differs from rank 0's (1 tensor(s) on other ranks "
+            "do): the ranks drifted apart; rank 0's state is saved") in (run / "stderr").read_text()
 
 
 # ------------------------------------------------------------- one process

@@ -7,7 +7,8 @@ once on 2 ranks with 3+5 and reads OUT-RANK.json):
   optimizer whose `step(self)` takes no closure: it sees every rank's rows in rank order, their
   gradients divided by the cluster's samples;
 - two optimizers broadcast from rank 0;
-- checkpoint state: tensors saved as rank 0 holds them, `md.rows(...)` as each rank's rows.
+- checkpoint state: tensors saved as rank 0 holds them, `md.rows(...)` as each rank's rows;
+  a rank whose weights drifted from rank 0's is named when saving.
 
     python research_loop.py OUT RUN_DIR
 """
@@ -100,5 +101,8 @@ report["resumed_carry_z"] = resumed["carry"].z[:, 0].tolist()
 report["resumed_carry_halted"] = resumed["carry"].halted.tolist()
 report["resumed_ema_w"] = resumed["ema"]["w"].tolist()
 report["rng_equal_to_rank0"] = bool(torch.equal(resumed["rng"], md.broadcast_object(rng)))
+with torch.no_grad():
+    model.w += info.rank  # rank 1 drifts: its checkpoint says so
+md.save_checkpoint(run_dir, 2, model)
 with open(f"{out}-{info.rank}.json", "w") as f:
     json.dump(report, f)
