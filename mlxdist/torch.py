@@ -288,9 +288,13 @@ def _pack_tree(tree: Any, key: str, out: dict[str, np.ndarray]) -> Any:
 def _unpack_state(name: str, value: Any, tensors: dict[str, np.ndarray]) -> Any:
     if isinstance(value, dict) and "__md_rows__" in value:
         s = _session.current(_NAME)
-        sizes = {a.shape[0] for k, a in tensors.items() if k.startswith(f"rows/{name}")}
+        mine = {k: a for k, a in tensors.items() if k == f"rows/{name}" or k.startswith(f"rows/{name}.")}
+        sizes = {a.shape[0] for a in mine.values()}
+        if len(sizes) > 1:
+            raise _session.ConfigError(f"{_NAME}.load_checkpoint: md.rows({name}) holds tensors of {sorted(sizes)} "
+                                       "rows; each must have the global batch's rows (save them so)")
         begin, end = _session.my_slice(s.shares(sizes.pop()), s.rank) if sizes else (0, 0)
-        return _unpack_tree(value["__md_rows__"], {k: a[begin:end] for k, a in tensors.items()})
+        return _unpack_tree(value["__md_rows__"], {k: a[begin:end] for k, a in mine.items()})
     if isinstance(value, dict) and "__md_tensors__" in value:
         return _unpack_tree(value["__md_tensors__"], tensors)
     return value
@@ -323,6 +327,10 @@ def _gather_rows(name: str, mine: dict[str, np.ndarray]) -> dict[str, np.ndarray
     if flat:
         raise _session.ConfigError(f"{_NAME}.save_checkpoint: md.rows({name}) holds '{flat[0]}', a tensor with no "
                                    "first dimension; keep per-sample tensors in md.rows(), the rest beside it")
+    sizes = sorted({a.shape[0] for a in mine.values()})
+    if len(sizes) > 1:
+        raise _session.ConfigError(f"{_NAME}.save_checkpoint: md.rows({name}) holds tensors of {sizes} rows; each "
+                                   "must have this rank's samples as its first dimension")
     theirs = s.world.allgather(mine) if s.size > 1 else [mine]
     if any(t.keys() != mine.keys() for t in theirs):
         raise _session.ConfigError(f"{_NAME}.save_checkpoint: md.rows({name}) holds other tensors on another rank; "
