@@ -278,6 +278,14 @@ def test_tensor_state_and_two_optimizers_round_trip_through_a_checkpoint(one_ran
 def test_state_that_is_neither_json_nor_tensors_is_one_line(one_rank, tmp_path):
     with pytest.raises(ConfigError, match="state 'state/sched' is a object"):
         md.save_checkpoint(tmp_path, 1, _linear(), sched=object())
+    with pytest.raises(ConfigError, match=r"md.rows\(carry\) holds tensors of \[3, 4\] rows"):
+        md.save_checkpoint(tmp_path, 1, _linear(), carry=md.rows([torch.zeros(3), torch.zeros(4)]))
+
+
+def test_an_iterable_whose_items_hold_no_global_batch_is_one_line(one_rank):
+    rows = md.DistributedIterable([{"x": torch.zeros(8, 2)}, {"x": torch.zeros(5, 2)}], 8)
+    with pytest.raises(ConfigError, match="item 1 holds no tensor or array of global_batch=8 rows"):
+        list(rows)
 
 
 # ------------------------------------------------------------- hydra
