@@ -66,7 +66,8 @@ def build_puzzles(root: Path, puzzles: int = 12, side: int = 4, vocab: int = 6) 
 @pytest.fixture(scope="module")
 def trm(tmp_path_factory) -> Path:
     """TRM's pretrain.py, 6 steps: one process with 8 (`one`), 2 ranks with 3+5 (`two`), and 2
-    ranks stopped after step 3 then resumed from its checkpoint (`resumed`)."""
+    ranks stopped after step 4 then resumed from its checkpoint (`resumed`). Step 4, not 3: with
+    halt_max_steps=3 every sample halts at step 3, so only a stop mid-way shows the carry."""
     d = tmp_path_factory.mktemp("trm")
     data = build_puzzles(d / "data")
     (d / "split.yaml").write_text(SPLIT)
@@ -81,8 +82,8 @@ def trm(tmp_path_factory) -> Path:
 
     run("one", 0)
     run("two", 2)
-    run("resumed", 2, "+stop_after_steps=3")
-    assert [c.name for c in ckpt.list_checkpoints(d / "resumed" / "checkpoints")] == ["step_00000003"]
+    run("resumed", 2, "+stop_after_steps=4")
+    assert [c.name for c in ckpt.list_checkpoints(d / "resumed" / "checkpoints")][-1] == "step_00000004"
     run("resumed", 2)
     return d
 
@@ -118,7 +119,9 @@ def test_trm_on_3_plus_5_ranks_equals_one_process_with_8(trm):
 
 
 @pytest.mark.cluster
-def test_trm_resumed_from_step_3_with_its_carry_and_ema_equals_the_run_never_stopped(trm):
+def test_trm_resumed_from_step_4_with_its_carry_and_ema_equals_the_run_never_stopped(trm):
+    at_stop = ckpt.load(trm / "resumed" / "checkpoints" / "step_00000004").extra["task"]
+    assert not at_stop["rows/carry.halted"].all()  # samples mid-way through their reasoning steps
     two, resumed = _last(trm / "two"), _last(trm / "resumed")
     assert _worst(two.weights, resumed.weights) < 1e-7
     assert _worst(two.optimizer, resumed.optimizer) < 1e-7
