@@ -19,7 +19,12 @@ engine's own sum) and divided by the cluster's units, so a MacBook's 3 samples a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,9 @@ from .yourloop import session as _session
 
 _NAME = "mlxdist.torch"
 
+# One optimizer, several (a sparse embedding's own beside AdamW), or none.
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
 
 Info = _session.Info
 
@@ -40,9 +48,12 @@ Info = _session.Info
 def init(config: str | Path | Config | None = None, device: str = "auto", stall_timeout: float | None = None,
          metrics_port: int | None = None) -> Info:
     """Join the job mpirun started (one rank without mpirun). `config`: a YAML whose `nodes:`
-    give each Mac's share of a global batch (`shares`), `dist.stall_timeout_s`, `metrics.port`."""
+    give each Mac's share of a global batch (`shares`), `dist.stall_timeout_s`, `metrics.port`;
+    without one, $MLXDIST_CONFIG names it (as for the Lightning and HF integrations), so a
+    script that parses its own arguments (hydra) needs no new option."""
     from .engine.torch_engine import select_device
 
+    config = config if config is not None else os.environ.get("MLXDIST_CONFIG") or None
     s = _session.start("torch", config, "mpi4py", stall_timeout, metrics_port)
     s.device, _ = select_device(device, s.world.local_rank)
     for note in s.notes:
@@ -86,10 +97,10 @@ def broadcast_object(obj: Any, root: int = 0) -> Any:
     return _session.broadcast_object(_NAME, obj, root)
 
 
-def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, root: int = 0) -> None:
+def broadcast(model: torch.nn.Module, optimizer: Optimizers = None, root: int = 0) -> None:
     """`root`'s parameters, buffers and optimizer state on every rank (a model initialised
-    without a seed differs per rank). A model of another shape on some rank is one line
-    naming the rank and the parameter."""
+    without a seed differs per rank); `optimizer` may be a list (a script with two). A model of
+    another shape on some rank is one line naming the rank and the parameter."""
     s = _session.current(_NAME)
     state = model.state_dict()
     _session.check_same_shapes(s, {n: tuple(t.shape) for n, t in state.items()}, f"{_NAME}.broadcast")
@@ -98,9 +109,9 @@ def broadcast(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = 
         with torch.no_grad():
             for name, t in state.items():
                 t.copy_(torch.from_numpy(np.array(arrays[name])).to(t.dtype))
-        if optimizer is not None:
-            theirs = s.world.bcast(to_cpu(optimizer.state_dict()) if s.rank == root else None, root)
-            optimizer.load_state_dict(theirs)
+        for opt in _optimizers(optimizer):
+            theirs = s.world.bcast(to_cpu(opt.state_dict()) if s.rank == root else None, root)
+            opt.load_state_dict(theirs)
 
 
 def sync_batchnorm(model: torch.nn.Module) -> list[str]:
@@ -114,66 +125,241 @@ def sync_batchnorm(model: torch.nn.Module) -> list[str]:
     return sync_batchnorm_layers(model, s.world) if s.size > 1 else []
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, keep_last: int = 3, **state: Any) -> Path | None:
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: Optimizers = None,
+                    keep_last: int = 3, **state: Any) -> Path | None:
     """`run_dir/checkpoints/step_N` in mlxdist's format (written whole or not at all, with
-    checksums), by rank 0 while the others wait: the model's whole state dict, the optimizer's
-    state and `state` (JSON values: an epoch, a best score). The newest `keep_last` are kept.
-    Returns the path on rank 0."""
+    checksums), by rank 0 while the others wait: the model's whole state dict, the state of
+    `optimizer` (or of a list of them) and `state`. A `state` value is a JSON value (an epoch),
+    tensors (an EMA copy, an RNG state: a tensor, or dicts, lists, tuples and dataclasses of
+    them), saved as rank 0 holds them and so loaded the same on every rank; or `md.rows(x)`:
+    tensors whose first dimension is this rank's samples (a carry of per-sample state between
+    steps), saved as every rank's rows in rank order, so that each rank loads its own rows (on
+    any number of ranks). Collective. The newest `keep_last` are kept. Returns the path on rank 0."""
     arrays = {n: to_numpy(t) for n, t in model.state_dict().items()}
+    opts = _optimizers(optimizer)
     opt_arrays: dict[str, np.ndarray] = {}
-    meta: dict[str, Any] = {"user": state}
-    if optimizer is not None:
-        sd = optimizer.state_dict()
-        meta["param_groups"], meta["scalars"] = sd["param_groups"], {}
-        for i, st in sd["state"].items():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    opt_arrays[f"{i}.{k}"] = to_numpy(v)
-                else:
-                    meta["scalars"][f"{i}.{k}"] = v
-    return _session.save_checkpoint(_NAME, run_dir, step, arrays, opt_arrays, meta, keep_last)
+    meta: dict[str, Any] = {}
+    for j, opt in enumerate(opts):
+        groups, scalars = _pack_optimizer(opt, f"{j}:" if len(opts) > 1 else "", opt_arrays)
+        meta.setdefault("param_groups", []).append(groups)
+        meta.setdefault("scalars", []).append(scalars)
+    if len(opts) == 1:
+        meta["param_groups"], meta["scalars"] = meta["param_groups"][0], meta["scalars"][0]
+    tensors: dict[str, np.ndarray] = {}
+    meta["user"] = {k: _pack_state(k, v, tensors) for k, v in state.items()}
+    meta["ranks_equal"] = _ranks_equal(step, arrays)
+    return _session.save_checkpoint(_NAME, run_dir, step, arrays, opt_arrays, meta, keep_last, tensors)
 
 
-def load_checkpoint(where: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+def load_checkpoint(where: str | Path, model: torch.nn.Module, optimizer: Optimizers = None
                     ) -> dict[str, Any] | None:
     """The newest whole checkpoint under `where` (a run dir or one `step_N`) into `model`
-    (strictly) and `optimizer`, on every rank; returns {"step": N, **state}, or None when there
-    is none yet. Any number of ranks can load what any number saved."""
-    found = _session.load_checkpoint(_NAME, where)
+    (strictly) and `optimizer` (or the list of them saved), on every rank; returns {"step": N,
+    **state} with tensors as they were saved (`md.rows` ones: this rank's rows), or None when
+    there is none yet. Any number of ranks can load what any number saved."""
+    tensors: dict[str, np.ndarray] = {}
+    found = _session.load_checkpoint(_NAME, where, tensors)
     if found is None:
         return None
     arrays, opt_arrays, meta = found
     own = model.state_dict()
     model.load_state_dict({n: torch.from_numpy(np.array(a)).to(own[n].dtype if n in own else None)
                            for n, a in arrays.items()}, strict=True)
-    if optimizer is not None:
+    opts = _optimizers(optimizer)
+    if opts:
         if "param_groups" not in meta:
             raise _session.ConfigError(f"{_NAME}.load_checkpoint({where}): the checkpoint holds no optimizer state "
                                        "(saved without an optimizer); load it without one")
-        state: dict[int, dict[str, Any]] = {}
-        for key, a in opt_arrays.items():
-            i, k = key.split(".", 1)
+        several = isinstance(meta["scalars"], list)
+        saved = len(meta["scalars"]) if several else 1
+        if saved != len(opts):
+            raise _session.ConfigError(f"{_NAME}.load_checkpoint({where}): it holds {saved} optimizer(s)' state, "
+                                       f"{len(opts)} given; pass the optimizers it was saved with, in that order")
+        for j, opt in enumerate(opts):
+            prefix, groups = (f"{j}:", meta["param_groups"][j]) if several else ("", meta["param_groups"])
+            scalars = meta["scalars"][j] if several else meta["scalars"]
+            opt.load_state_dict(_unpack_optimizer(prefix, opt_arrays, groups, scalars))
+    user = {k: _unpack_state(k, v, tensors) for k, v in meta["user"].items()}
+    return {"step": meta["step"], **user}
+
+
+def _ranks_equal(step: int, arrays: dict[str, np.ndarray]) -> bool:
+    """Whether every rank holds rank 0's model state (digests compared, collective): a
+    checkpoint saves rank 0's, so ranks that drifted apart are said, not hidden."""
+    s = _session.current(_NAME)
+    if s.size == 1:
+        return True
+    digests = s.world.allgather({n: hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+                                 for n, a in arrays.items()})
+    differ = [(r, n) for r, d in enumerate(digests) for n in d if d[n] != digests[0].get(n)]
+    if differ:
+        _say(s, f"{_NAME}.save_checkpoint: step {step}: rank {differ[0][0]}'s {differ[0][1]} differs from rank 0's "
+                f"({len(differ)} tensor(s) on other ranks do): the ranks drifted apart; rank 0's state is saved")
+    return not differ
+
+
+def _optimizers(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
+
+def _pack_optimizer(opt: torch.optim.Optimizer, prefix: str, out: dict[str, np.ndarray]) -> tuple[list, dict]:
+    sd = opt.state_dict()
+    scalars: dict[str, Any] = {}
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"{prefix}{i}.{k}"] = to_numpy(v)
+            else:
+                scalars[f"{i}.{k}"] = v
+    return sd["param_groups"], scalars
+
+
+def _unpack_optimizer(prefix: str, arrays: dict[str, np.ndarray], groups: list, scalars: dict) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, a in arrays.items():
+        if key.startswith(prefix) and (prefix or ":" not in key):
+            i, k = key[len(prefix):].split(".", 1)
             state.setdefault(int(i), {})[k] = torch.from_numpy(np.array(a))
-        for key, v in meta.get("scalars", {}).items():
-            i, k = key.split(".", 1)
-            state.setdefault(int(i), {})[k] = v
-        optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    return {"step": meta["step"], **meta["user"]}
+    for key, v in scalars.items():
+        i, k = key.split(".", 1)
+        state.setdefault(int(i), {})[k] = v
+    return {"state": state, "param_groups": groups}
+
+
+@dataclasses.dataclass
+class Rows:
+    """Checkpoint state whose tensors' first dimension is this rank's samples (`md.rows`)."""
+    value: Any
+
+
+def rows(value: Any) -> Rows:
+    """Mark `value` (tensors, or dicts, lists, tuples and dataclasses of them) for
+    `save_checkpoint` as per-sample rows of this rank: a carry of reasoning state between
+    steps. Saved as the cluster's rows in rank order (what one process with the global batch
+    holds); `load_checkpoint` gives each rank its rows by the shares of that batch."""
+    return Rows(value)
+
+
+def _pack_state(name: str, value: Any, tensors: dict[str, np.ndarray]) -> Any:
+    """A `save_checkpoint` state value as JSON: itself, or a tree naming the arrays it went to."""
+    if isinstance(value, Rows):
+        mine: dict[str, np.ndarray] = {}
+        tree = _pack_tree(value.value, f"rows/{name}", mine)
+        tensors.update(_gather_rows(name, mine))
+        return {"__md_rows__": tree}
+    found: dict[str, np.ndarray] = {}
+    tree = _pack_tree(value, f"state/{name}", found)
+    if not found:
+        return value
+    tensors.update(found)
+    return {"__md_tensors__": tree}
+
+
+def _pack_tree(tree: Any, key: str, out: dict[str, np.ndarray]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        out[key] = to_numpy(tree)
+        return {"tensor": key, "dtype": str(tree.dtype).removeprefix("torch."), "cpu": tree.device.type == "cpu"}
+    if isinstance(tree, np.ndarray):
+        out[key] = tree
+        return {"ndarray": key}
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        cls = type(tree)
+        return {"dataclass": f"{cls.__module__}:{cls.__qualname__}",
+                "fields": {f.name: _pack_tree(getattr(tree, f.name), f"{key}.{f.name}", out)
+                           for f in dataclasses.fields(tree)}}
+    if isinstance(tree, dict):
+        bad = [k for k in tree if not isinstance(k, str)]
+        if bad:
+            raise _session.ConfigError(f"{_NAME}.save_checkpoint: state '{key}' has the key {bad[0]!r}, not a "
+                                       "string; use string keys (or save a tensor of the values)")
+        return {"dict": {k: _pack_tree(v, f"{key}.{k}", out) for k, v in tree.items()}}
+    if isinstance(tree, (list, tuple)):
+        return {type(tree).__name__: [_pack_tree(v, f"{key}.{i}", out) for i, v in enumerate(tree)]}
+    try:
+        json.dumps(tree)
+    except (TypeError, ValueError):
+        raise _session.ConfigError(f"{_NAME}.save_checkpoint: state '{key}' is a {type(tree).__name__}, neither "
+                                   "a JSON value nor tensors; save its state_dict() or a tensor of it") from None
+    return {"value": tree}
+
+
+def _unpack_state(name: str, value: Any, tensors: dict[str, np.ndarray]) -> Any:
+    if isinstance(value, dict) and "__md_rows__" in value:
+        s = _session.current(_NAME)
+        mine = {k: a for k, a in tensors.items() if k == f"rows/{name}" or k.startswith(f"rows/{name}.")}
+        sizes = {a.shape[0] for a in mine.values()}
+        if len(sizes) > 1:
+            raise _session.ConfigError(f"{_NAME}.load_checkpoint: md.rows({name}) holds tensors of {sorted(sizes)} "
+                                       "rows; each must have the global batch's rows (save them so)")
+        begin, end = _session.my_slice(s.shares(sizes.pop()), s.rank) if sizes else (0, 0)
+        return _unpack_tree(value["__md_rows__"], {k: a[begin:end] for k, a in mine.items()})
+    if isinstance(value, dict) and "__md_tensors__" in value:
+        return _unpack_tree(value["__md_tensors__"], tensors)
+    return value
+
+
+def _unpack_tree(tree: dict, arrays: dict[str, np.ndarray]) -> Any:
+    if "tensor" in tree:
+        t = torch.from_numpy(np.array(arrays[tree["tensor"]])).to(getattr(torch, tree["dtype"]))
+        return t if tree["cpu"] else t.to(_session.current(_NAME).device)
+    if "ndarray" in tree:
+        return np.array(arrays[tree["ndarray"]])
+    if "dataclass" in tree:
+        module, _, qualname = tree["dataclass"].partition(":")
+        cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        return cls(**{k: _unpack_tree(v, arrays) for k, v in tree["fields"].items()})
+    if "dict" in tree:
+        return {k: _unpack_tree(v, arrays) for k, v in tree["dict"].items()}
+    if "list" in tree or "tuple" in tree:
+        kind = list if "list" in tree else tuple
+        return kind(_unpack_tree(v, arrays) for v in tree[kind.__name__])
+    return tree["value"]
+
+
+def _gather_rows(name: str, mine: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every rank's rows of each array, concatenated in rank order (collective)."""
+    s = _session.current(_NAME)
+    flat = [k for k, a in mine.items() if a.ndim == 0]
+    if flat:
+        raise _session.ConfigError(f"{_NAME}.save_checkpoint: md.rows({name}) holds '{flat[0]}', a tensor with no "
+                                   "first dimension; keep per-sample tensors in md.rows(), the rest beside it")
+    sizes = sorted({a.shape[0] for a in mine.values()})
+    if len(sizes) > 1:
+        raise _session.ConfigError(f"{_NAME}.save_checkpoint: md.rows({name}) holds tensors of {sizes} rows; each "
+                                   "must have this rank's samples as its first dimension")
+    theirs = s.world.allgather(mine) if s.size > 1 else [mine]
+    if any(t.keys() != mine.keys() for t in theirs):
+        raise _session.ConfigError(f"{_NAME}.save_checkpoint: md.rows({name}) holds other tensors on another rank; "
+                                   "give every rank the same structure")
+    return {k: np.concatenate([t[k] for t in theirs]) for k in mine}
 
 
 class DistributedOptimizer:
     """`optimizer` whose step sums gradients over ranks and divides by the cluster's units
     (`backward(loss, count)` or `step(count=N)`). `reduction`: how the loss covers its units,
-    'mean' (torch's default: it is weighed by `count`) or 'sum'.
+    'mean' (the default, as torch's: it is weighed by `count`) or 'sum'. Left unsaid, a loss
+    given to `backward()` that is plainly a sum (its last operation a `.sum()` or a
+    `reduction="sum"` loss) is refused in one line rather than weighed by its count again.
+
+    Only the model's parameters this optimizer holds are summed, so a script's second
+    optimizer (its own DistributedOptimizer) never sums them twice. `rows`: tensors whose first
+    dimension is this rank's samples, stepped by this optimizer (a sparse embedding's looked-up
+    rows and their ids, buffers): for the step they hold every rank's rows in rank order (their
+    gradients divided by the cluster's units, as the parameters'), as one process with the
+    global batch holds them, then this rank's again. Any optimizer's `step()` works, also one
+    that takes no closure.
 
     The object's class is built per optimizer class (`DistributedAdamW`: this and AdamW), and
     it shares the optimizer's state (`__dict__`): LR schedulers and `isinstance` see the
     optimizer they expect, and `isinstance(opt, DistributedOptimizer)` tells a wrapped one."""
 
     def __new__(cls, optimizer: torch.optim.Optimizer | None = None, model: torch.nn.Module | None = None,
-                reduction: str = "mean", bucket_mb: float = 25.0, wire_dtype: str = "float32",
-                overlap: bool = True) -> DistributedOptimizer:
+                reduction: str | None = None, bucket_mb: float = 25.0, wire_dtype: str = "float32",
+                overlap: bool = True, rows: Sequence[torch.Tensor] = ()) -> DistributedOptimizer:
         if cls is not DistributedOptimizer:  # a built class's bare object (copy.deepcopy)
             return super().__new__(cls)
         if optimizer is None or model is None:
@@ -181,23 +367,33 @@ class DistributedOptimizer:
         built = type(f"Distributed{type(optimizer).__name__}", (DistributedOptimizer, type(optimizer)), {})
         dist = object.__new__(built)
         dist.__dict__ = optimizer.__dict__
-        dist._setup(model, reduction, bucket_mb, wire_dtype, overlap)
+        dist._setup(model, reduction, bucket_mb, wire_dtype, overlap, list(rows))
         return dist
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Nothing: `__new__` made the object, and the optimizer's own `__init__` already ran."""
 
-    def _setup(self, model: torch.nn.Module, reduction: str, bucket_mb: float, wire_dtype: str,
-               overlap: bool) -> None:
+    def _setup(self, model: torch.nn.Module, reduction: str | None, bucket_mb: float, wire_dtype: str,
+               overlap: bool, rows: list[torch.Tensor]) -> None:
         from .cluster.transport import make_transport
         from .sync.torch_grad import TorchGradSync
 
-        if reduction not in ("mean", "sum"):
+        if reduction not in ("mean", "sum", None):
             raise ValueError(f"{_NAME}.DistributedOptimizer: reduction '{reduction}' is not 'mean' or 'sum'")
         s = _session.current(_NAME)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        held = {id(p) for group in self.param_groups for p in group["params"]}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in held]
+        if not named and not rows:
+            raise _session.ConfigError(f"{_NAME}.DistributedOptimizer({type(self).__name__[len('Distributed'):]}): "
+                                       "it holds none of the model's trainable parameters; wrap the optimizer of "
+                                       "the model's parameters, or name its per-sample buffers in rows=[...]")
+        bad = [i for i, t in enumerate(rows) if not isinstance(t, torch.Tensor) or t.ndim == 0]
+        if bad:
+            raise _session.ConfigError(f"{_NAME}.DistributedOptimizer: rows[{bad[0]}] is not a tensor with a first "
+                                       "dimension (this rank's samples)")
         _session.check_same_shapes(s, {n: tuple(p.shape) for n, p in named}, f"{_NAME}.DistributedOptimizer")
-        self._md_session, self._md_reduction = s, reduction
+        self._md_session, self._md_reduction, self._md_checked = s, reduction or "mean", reduction is not None
+        self._md_rows, self._md_swapped = rows, []
         self._md_grads = ParamGradients([p for _, p in named], model)
         self._md_sync = (TorchGradSync(make_transport(s.world, "mpi4py"), bucket_mb, wire_dtype, overlap)
                          if s.size > 1 else None)
@@ -211,6 +407,9 @@ class DistributedOptimizer:
         if self._md_armed:
             raise RuntimeError(f"{_NAME}: backward() twice in one step; wrap all but the step's last backward in "
                                "`with optimizer.no_sync():` (gradient accumulation)")
+        if not self._md_checked:
+            self._md_checked = True
+            _refuse_summed_loss(loss)
         if not self._md_quiet:
             self.send_during_backward()
         (loss * count if self._md_reduction == "mean" else loss).backward()
@@ -246,16 +445,21 @@ class DistributedOptimizer:
         if count is not None:
             if self._md_reduction == "mean":
                 torch._foreach_mul_([g for g in self._md_grads.gradients() if g is not None], float(count))
+                for t in self._md_rows:
+                    if t.grad is not None:
+                        t.grad.mul_(float(count))
             self.add_count(count)
         if self._md_count is None:
             raise RuntimeError(f"{_NAME}: step() without a count; use optimizer.backward(loss, count=N) or "
                                "optimizer.step(count=N) (this rank's samples, or units, in the step)")
         s = self._md_session
         grads = self._md_grads.gradients()
-        if self._md_sync is not None:
+        if self._md_sync is not None and grads:
             summed, _ = self._md_sync.all_sum(grads)
             self._md_grads.on_gradient_ready(None)
             total = int(s.world.allreduce_sum([float(self._md_count)])[0])
+        elif s.size > 1:
+            summed, total = grads, int(s.world.allreduce_sum([float(self._md_count)])[0])
         else:
             summed, total = grads, self._md_count
         self._md_count, self._md_armed = None, False
@@ -266,6 +470,7 @@ class DistributedOptimizer:
                         g.div_(total)
                     else:  # a fresh tensor: the sum's buffer is not the gradient's to keep
                         p.grad = (g.reshape(p.shape) / total).to(p.device)
+            self._gather_rows(total)
         else:
             s.skipped_steps += 1
             _say(s, f"{_NAME}: step skipped: no rank had a unit to learn from (count 0 everywhere; "
@@ -273,14 +478,42 @@ class DistributedOptimizer:
         self._md_synced = None if own_step else total
         return total
 
+    def _gather_rows(self, total: int) -> None:
+        """Each `rows` tensor (and its gradient, divided by `total`) as every rank's rows in
+        rank order, until `step()` puts this rank's back."""
+        s = self._md_session
+        for t in self._md_rows:
+            grad = None if t.grad is None else t.grad / total
+            parts = s.world.allgather((to_numpy(t), None if grad is None else to_numpy(grad))) if s.size > 1 \
+                else [(None, None)]
+            whole = torch.cat([torch.from_numpy(d) for d, _ in parts]).to(t) if s.size > 1 else t.data
+            self._md_swapped.append((t, t.data, grad))
+            t.grad = None
+            t.data = whole
+            if grad is not None:
+                t.grad = torch.cat([torch.from_numpy(g) for _, g in parts]).to(grad) if s.size > 1 else grad
+
+    def _put_back_rows(self) -> None:
+        for t, data, grad in self._md_swapped:
+            t.grad = None
+            t.data = data
+            t.grad = grad
+        self._md_swapped = []
+
     def step(self, closure=None, count: int | None = None):
+        """Sum (unless `synchronize()` did), then the optimizer's own step: with `closure` only
+        when one is given, so an optimizer whose `step(self)` takes none works."""
         if self._md_synced is None:
             self.synchronize(count)
         total, self._md_synced = self._md_synced, None
         if total == 0:
+            self._put_back_rows()
             self.zero_grad(set_to_none=True)
             return None
-        return super().step(closure)
+        try:
+            return super().step() if closure is None else super().step(closure)
+        finally:
+            self._put_back_rows()
 
 
 class DistributedSampler(torch.utils.data.Sampler):
@@ -312,6 +545,75 @@ class DistributedSampler(torch.utils.data.Sampler):
                                              self.batch_size).tolist()
 
 
+class DistributedIterable:
+    """This rank's rows of each global batch an iterable yields (an `IterableDataset`, or the
+    `DataLoader` over one, that makes whole global batches the same way on every rank: seeded,
+    in a fixed order): every tensor or array in an item (a dict, tuple or list of them, at any
+    depth) whose first dimension is `global_batch` is cut to this rank's share (`md.shares`);
+    the rest (a set's name, a batch count) passes as it is. `start_step`: global batches of
+    the first pass to skip, for a resumed run (the source makes them again, deterministic)."""
+
+    def __init__(self, source: Iterable[Any], global_batch: int, start_step: int = 0):
+        s = _session.current(_NAME)
+        self.source, self.global_batch, self.start_step = source, int(global_batch), int(start_step)
+        self.begin, self.end = _session.my_slice(s.shares(self.global_batch), s.rank)
+        self.batch_size = self.end - self.begin
+        self._passes = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        skip = self.start_step if self._passes == 0 else 0
+        self._passes += 1
+        for i, item in enumerate(self.source):
+            if i < skip:
+                continue
+            cut, hits = self._cut(item)
+            if not hits:
+                raise _session.ConfigError(f"{_NAME}.DistributedIterable: item {i} holds no tensor or array of "
+                                           f"global_batch={self.global_batch} rows; give the source whole global "
+                                           "batches (every rank the same) and their size")
+            yield cut
+
+    def _cut(self, item: Any) -> tuple[Any, int]:
+        if isinstance(item, (torch.Tensor, np.ndarray)) and item.ndim and item.shape[0] == self.global_batch:
+            return item[self.begin:self.end], 1
+        if isinstance(item, dict):
+            parts = {k: self._cut(v) for k, v in item.items()}
+            return {k: v for k, (v, _) in parts.items()}, sum(h for _, h in parts.values())
+        if isinstance(item, (list, tuple)):
+            parts = [self._cut(v) for v in item]
+            return type(item)(v for v, _ in parts), sum(h for _, h in parts)
+        return item, 0
+
+
+_COMBINING = {"AddBackward0", "SubBackward0", "NegBackward0", "MulBackward0"}
+
+
+def _loss_kinds(fn: Any, depth: int = 0) -> set[str]:
+    """What a loss's last operations are, through sums of terms and scalings by a number:
+    'sum' (a `.sum()`, a loss with reduction='sum'), 'mean', or 'other'."""
+    if fn is None:
+        return set()
+    name = type(fn).__name__
+    nexts = [n for n, _ in fn.next_functions if n is not None]
+    if name in _COMBINING and depth < 16 and (name != "MulBackward0" or len(nexts) == 1):
+        return set().union(*(_loss_kinds(n, depth + 1) for n in nexts)) if nexts else set()
+    if name == "SumBackward0" or getattr(fn, "_saved_reduction", None) == 2:
+        return {"sum"}
+    return {"mean"} if name == "MeanBackward0" or getattr(fn, "_saved_reduction", None) == 1 else {"other"}
+
+
+def _refuse_summed_loss(loss: torch.Tensor) -> None:
+    """A summed loss weighed as a mean counts each rank's samples twice (3 and 5 rows: rank 1's
+    gradient 5/3 as strong): refuse it, once, where the loss plainly is one."""
+    if _loss_kinds(loss.grad_fn) == {"sum"}:
+        err = _session.ConfigError(f"{_NAME}.DistributedOptimizer.backward: the loss is a sum over its units (its "
+                                   "last operation a .sum() or reduction='sum'), but reduction is 'mean' (the "
+                                   "default), which weighs it by count again; pass reduction='sum' to "
+                                   "DistributedOptimizer, or reduction='mean' if it is a mean after all")
+        err.quiet = _session.current(_NAME).rank != 0
+        raise err
+
+
 def _say(s: _session.Session, text: str) -> None:
     if s.world.is_main:
         from .markers import write_line
@@ -339,6 +641,6 @@ def to_cpu(tree: Any) -> Any:
     return tree
 
 
-__all__ = ["DistributedOptimizer", "DistributedSampler", "Info", "all_gather", "all_reduce", "broadcast",
-           "broadcast_object", "info", "init", "load_checkpoint", "save_checkpoint", "set_device", "shares",
+__all__ = ["DistributedIterable", "DistributedOptimizer", "DistributedSampler", "Info", "Rows", "all_gather", "all_reduce", "broadcast",
+           "broadcast_object", "info", "init", "load_checkpoint", "rows", "save_checkpoint", "set_device", "shares",
            "should_stop", "sync_batchnorm", "to_cpu", "to_numpy"]

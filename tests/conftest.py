@@ -62,7 +62,7 @@ def _no_stale_mpi_session_dirs():
 # file still runs whole on one worker.
 LONGEST_FIRST = [
     "test_torch_dist.py", "test_multihost.py", "test_recipes.py", "test_elastic.py", "test_finetune.py",
-    "test_your_loop.py", "test_smollm2_finetune.py", "test_bench_finetune.py", "test_generate_lm.py",
+    "test_your_loop.py", "test_research_loop.py", "test_smollm2_finetune.py", "test_bench_finetune.py", "test_generate_lm.py",
     "test_sync_batchnorm.py", "test_hf_trainer.py", "test_tasks.py", "test_diloco_train.py", "test_lightning.py",
     "test_own_optimizer.py",
 ]

@@ -100,6 +100,7 @@ def start(framework: str, config: str | os.PathLike | Config | None = None, back
           stall_timeout: float | None = None, metrics_port: int | None = None) -> Session:
     """The process's session (made once; a second call returns the first)."""
     global _SESSION
+    let_errors_through_hydra()
     if stall_timeout is not None and not (math.isfinite(stall_timeout) and stall_timeout >= 1.0):
         raise ConfigError(f"init(stall_timeout={stall_timeout!r}): give a finite number of seconds >= 1 "
                           "(a NaN would turn stall detection off)")
@@ -128,8 +129,22 @@ def start(framework: str, config: str | os.PathLike | Config | None = None, back
     return session
 
 
+def let_errors_through_hydra(modules: Mapping[str, Any] = sys.modules,
+                             env: os._Environ | dict = os.environ) -> bool:
+    """Under `@hydra.main`, hydra catches every error, prints its traceback and exits 1: an
+    mlxdist error would no longer be one line, and the other ranks would wait in a collective.
+    HYDRA_FULL_ERROR=1 makes hydra re-raise, so mlxdist's handler sees it (its own errors: one
+    line, exit 2; others: Python's traceback, then the job ends). Set when hydra is loaded and
+    the variable is not set already; True when set here."""
+    if "hydra" not in modules or "HYDRA_FULL_ERROR" in env:
+        return False
+    env["HYDRA_FULL_ERROR"] = "1"
+    return True
+
+
 def current(module: str) -> Session:
     if _SESSION is None:
+        let_errors_through_hydra()
         raise NotInitialized(f"{module}: call {module}.init() first (once per process, before any other call)")
     return _SESSION
 
@@ -202,9 +217,11 @@ def my_slice(shares: Sequence[int], rank: int) -> tuple[int, int]:
 
 
 def save_checkpoint(module: str, run_dir: str | os.PathLike, step: int, model: dict[str, np.ndarray],
-                    optimizer: dict[str, np.ndarray], state: dict[str, Any], keep_last: int) -> Path | None:
+                    optimizer: dict[str, np.ndarray], state: dict[str, Any], keep_last: int,
+                    tensors: dict[str, np.ndarray] | None = None) -> Path | None:
     """Rank 0 writes `run_dir/checkpoints/step_N` in the trainer's format (atomic, checksummed,
-    the newest `keep_last` kept); every rank waits for it. Returns the path on rank 0."""
+    the newest `keep_last` kept); every rank waits for it. `tensors`: the loop's own arrays
+    (a carry, an EMA copy), in the checkpoint's `task` file. Returns the path on rank 0."""
     from ..state import checkpoint as ckpt
 
     s = current(module)
@@ -212,16 +229,17 @@ def save_checkpoint(module: str, run_dir: str | os.PathLike, step: int, model: d
     if s.world.is_main:
         root = Path(run_dir) / "checkpoints"
         meta = {"step": int(step), "world_size": s.size, "your_loop": module, "loop_state": state}
-        path = ckpt.save(root, int(step), model, optimizer, meta)
+        path = ckpt.save(root, int(step), model, optimizer, meta, extra={"task": tensors} if tensors else None)
         ckpt.apply_retention(root, keep_last, keep_best=False, newest=path)
     s.world.barrier("waiting for the checkpoint writer", patience=10)
     return path
 
 
-def load_checkpoint(module: str, where: str | os.PathLike
+def load_checkpoint(module: str, where: str | os.PathLike, tensors: dict[str, np.ndarray] | None = None
                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]] | None:
     """Rank 0 reads the newest whole checkpoint under `where` (a run dir, its `checkpoints/`,
-    or one `step_N`), every rank gets its arrays and state; None when there is none."""
+    or one `step_N`), every rank gets its arrays and state; None when there is none. `tensors`,
+    when given, receives the loop's own arrays (`save_checkpoint`'s `tensors`)."""
     from ..state import checkpoint as ckpt
 
     s = current(module)
@@ -249,4 +267,6 @@ def load_checkpoint(module: str, where: str | os.PathLike
                           "(resume it with python -m mlxdist.train --resume)")
     model = s.world.broadcast_arrays(loaded.weights if s.world.is_main else {})
     optimizer = s.world.broadcast_arrays(loaded.optimizer if s.world.is_main else {})
+    if tensors is not None:
+        tensors.update(s.world.broadcast_arrays(loaded.extra.get("task", {}) if s.world.is_main else {}))
     return model, optimizer, {"step": found["step"], **found["loop_state"]}
