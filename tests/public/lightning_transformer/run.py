@@ -24,11 +24,11 @@ import runpy
 import sys
 import types
 
+import lightning_fabric
 import numpy as np
 import pytorch_lightning as pl
 import pytorch_lightning.demos  # noqa: F401 - named below
 import pytorch_lightning.demos.transformer as demo
-import lightning_fabric
 
 no_dropout = "--no-dropout" in sys.argv[1:]
 runs = [arg.split(":", 1) for arg in sys.argv[1:] if arg != "--no-dropout"]
@@ -79,5 +79,5 @@ def _with_record(self, *args, **kwargs):
 
 pl.Trainer.__init__ = _with_record
 os.environ.setdefault("PL_TRAINER_MAX_STEPS", "5")
-for script, out in runs:
+for script, out in runs:  # noqa: B007 - `out`: where Record (above) writes
     runpy.run_path(script, run_name="__main__")
