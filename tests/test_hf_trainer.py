@@ -186,20 +186,17 @@ def _clm_losses(out: Path) -> list[float]:
     return [e["loss"] for e in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in e]
 
 
-def test_the_mlxdist_run_clm_is_the_published_script_and_one_added_line():
-    """`Trainer` sits in a multi-name `from transformers import (...)`: the one line added after
-    it rebinds the name, and nothing else changes."""
+@pytest.mark.cluster
+def test_run_clm_with_one_added_line_on_one_process_is_plain_transformers(clm):
+    """`Trainer` sits in a multi-name `from transformers import (...)`: one line added after it
+    rebinds the name, and nothing else changes. The Trainer's own DataLoader is kept (its seeded
+    shuffle, the last batch of 5): the same 6 steps, weights and logged losses as
+    transformers.Trainer."""
     published = (PUBLIC / "run_clm.py").read_text().splitlines()
     ours = (PUBLIC / "run_clm_mlxdist.py").read_text().splitlines()
     changed = [d for d in difflib.unified_diff(published, ours, lineterm="", n=0)
                if d[:1] in "+-" and not d.startswith(("+++", "---"))]
     assert changed == ["+from mlxdist.hf import Trainer  # mlxdist: after the import above, it rebinds `Trainer`"]
-
-
-@pytest.mark.cluster
-def test_run_clm_on_one_process_is_plain_transformers(clm):
-    """The Trainer's own DataLoader kept (its seeded shuffle, the last batch of 5): the same 6
-    steps, weights and logged losses as transformers.Trainer."""
     base, logs = clm
     worst = _clm_compare(base / "plain" / "out", base / "one" / "out")
     print(f"run_clm.py, 1 process: mlxdist.hf.Trainer against transformers.Trainer, largest weight difference "
