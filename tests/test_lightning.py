@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
     split = base / "split.yaml"
     split.write_text(SPLIT)
     one, _ = _run(base / "one" / "w", "plain,samples,tokens,resume,plain")
-    two, stderr = _run(base / "two" / "w", "samples,tokens,resume", np_=2, config=split)
+    two, stderr = _run(base / "two" / "w", "samples,tokens,resume,unseeded", np_=2, config=split)
     return base, one, two, stderr
 
 
@@ -87,7 +87,21 @@ def test_each_rank_knows_its_place_and_takes_its_share_of_the_batch(runs):
             (v["rank"], 2, v["rank"] == 0, None if v["mode"] == "resume" else [3, 5][v["rank"]], 4), v
         assert v["gathered"] == [0.0, 1.0] and v["any"] is True and v["all"] is False  # all_gather, decisions
     assert sorted((v["mode"], v["rank"]) for v in two) == [("resume", 0), ("resume", 1), ("samples", 0),
-                                                            ("samples", 1), ("tokens", 0), ("tokens", 1)]
+                                                            ("samples", 1), ("tokens", 0), ("tokens", 1),
+                                                            ("unseeded", 0), ("unseeded", 1)]
+
+
+@needs_lightning
+@pytest.mark.cluster
+def test_what_the_ranks_cannot_keep_of_a_dataloader_is_one_line_at_start(runs):
+    """`shuffle=True` drawn from each rank's own seed: rank 0's order on every rank, said once;
+    a last batch of 1 sample on 2 ranks: skipped by both, said once, before the first step."""
+    stderr = runs[3]
+    order = ("mlxdist.lightning: the training DataLoader's order differs between ranks (a shuffle seeded per "
+             "process); every rank uses rank 0's")
+    last = ("mlxdist.lightning: the epoch's last batch has 1 sample(s), fewer than the 2 ranks: every rank skips it "
+            "(one process would train on it)")
+    assert stderr.count(order) == 1 and stderr.count(last) == 1
 
 
 @needs_lightning
@@ -102,7 +116,7 @@ def test_only_rank_0_logs_and_writes_checkpoints(runs):
         assert files == ["lightning_logs/version_0/checkpoints/epoch=0-step=4.ckpt",
                          "lightning_logs/version_0/metrics.csv"], files
         assert "train_loss" in (two / f"{i}-{mode}" / "rank0" / "lightning_logs/version_0/metrics.csv").read_text()
-    assert stderr.count("GPU available:") == 4  # once per Trainer (4 in that launch): rank 0's
+    assert stderr.count("GPU available:") == 5  # once per Trainer (5 in that launch): rank 0's
 
 
 @needs_lightning
