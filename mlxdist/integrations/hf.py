@@ -33,8 +33,9 @@ torch.distributed), on the device they pick (mps on a Mac). mlxdist does the res
 
 Not here: the gradient sum starts after the step's last backward rather than during it;
 `args.world_size`, `process_index` and `parallel_mode` stay transformers' one-process values
-(1, 0, not_parallel: where they say more, transformers calls torch.distributed); evaluation runs whole on every rank (the same numbers; rank 0 logs them); at the end rank 0
-holds the model to keep (`load_best_model_at_end` loads it there only). `use_cpu=True` under
+(1, 0, not_parallel: where they say more, transformers calls torch.distributed; the line each
+rank prints says the truth); evaluation runs whole on every rank (the same numbers; rank 0 logs
+them); at the end rank 0 holds the model to keep (`load_best_model_at_end` loads it there only). `use_cpu=True` under
 mpirun makes accelerate start torch.distributed before mlxdist is asked: leave the device to
 the Trainer.
 """
