@@ -222,3 +222,13 @@ def test_the_public_transformer_script_on_2_ranks_equals_plain_lightning_on_one(
     assert [s["batch"] for s in r0] == [8, 8, 3, 8, 8] and [s["batch"] for s in r1] == [12, 12, 4, 12, 12]
     for rank in (r0, r1):
         assert np.allclose([s["progress_bar_loss"] for s in rank], [s["progress_bar_loss"] for s in one], atol=1e-5)
+
+
+def test_each_batch_splits_by_the_ranks_weights_and_a_batch_smaller_than_the_ranks_leaves_some_none():
+    """The split under both integrations (mlxdist/integrations/_batches.py): 3:5 weights."""
+    from mlxdist.integrations._batches import split_batch
+
+    assert [split_batch(20, [3.0, 5.0], r) for r in (0, 1)] == [(0, 8), (8, 20)]
+    assert [split_batch(7, [3.0, 5.0], r) for r in (0, 1)] == [(0, 3), (3, 7)]
+    assert [split_batch(8, [1.0, 1.0, 1.0], r) for r in (0, 1, 2)] == [(0, 3), (3, 6), (6, 8)]
+    assert sorted(split_batch(1, [3.0, 5.0], r)[1] - split_batch(1, [3.0, 5.0], r)[0] for r in (0, 1)) == [0, 1]
