@@ -110,8 +110,8 @@ def test_resuming_from_rank_0_s_checkpoint_equals_the_uninterrupted_run(runs):
 # -- a public script: transformers' examples/pytorch/language-modeling/run_clm.py ---------------
 
 PUBLIC = Path(__file__).parent / "public" / "hf_run_clm"
-CLM = ["--do_train", "--block_size", "16", "--per_device_train_batch_size", "8", "--num_train_epochs", "2", "--optim", "sgd",
-       "--learning_rate", "0.5", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
+CLM = ["--do_train", "--block_size", "16", "--per_device_train_batch_size", "8", "--num_train_epochs", "2",
+       "--optim", "sgd", "--learning_rate", "0.5", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
        "--seed", "0", "--output_dir", "out"]
 CLM_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": "./hf_cache"}  # each rank's own, in its folder

@@ -133,9 +133,9 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
 
         `config`: a YAML whose `nodes:` give each Mac's share of a global batch (else
         `$MLXDIST_CONFIG`, else equal shares). `reduction`: how `training_step`'s loss covers
-        its units, 'mean' (weighed by its count) or 'sum'. The training order is the DataLoader's
-        own (`seed` is refused: seed its sampler, or `seed_everything`). `device`: this rank's device (default: the
-        Trainer's accelerator: mps, cuda:LOCAL_RANK, cpu)."""
+        its units, 'mean' (weighed by its count) or 'sum'. The training order is the
+        DataLoader's own (`seed` is refused: seed its sampler, or `seed_everything`). `device`:
+        this rank's device (default: the Trainer's accelerator: mps, cuda:LOCAL_RANK, cpu)."""
 
         strategy_name = "mlxdist"
 
