@@ -10,9 +10,13 @@ Every rank runs the whole script; transformers and accelerate each see one proce
 torch.distributed), on the device they pick (mps on a Mac). mlxdist does the rest:
 
 - `per_device_train_batch_size` is the batch of the whole cluster, what the same script
-  trains with as one process; each rank takes its share of it (`nodes:` batch sizes of the
-  config in `MLXDIST_CONFIG` or `mlxdist_config=`, equal shares without one) from a stream of
-  samples that depends only on (seed, position), so 3 + 5 samples are the one process's 8.
+  trains with as one process; the Trainer's own DataLoader makes those batches (its sampler:
+  the seeded shuffle or `group_by_length`, `dataloader_drop_last`, the last partial batch), and
+  each rank takes its share of every one (`nodes:` batch sizes of the config in
+  `MLXDIST_CONFIG` or `mlxdist_config=`, equal shares without one), so 3 + 5 samples are the
+  one process's 8 and one rank is plain `transformers.Trainer`. After the Trainer is built,
+  `args.per_device_train_batch_size` is this rank's share (the Trainer's log says so) and every
+  rank prints one line with its rank, the ranks and its share.
 - Gradients are summed over ranks weighed by what the Trainer's loss averages over: the
   label tokens of the step when the loss is normalised by `num_items_in_batch` (causal LMs),
   else the samples. This happens after the step's last backward, so gradient clipping
@@ -27,10 +31,11 @@ torch.distributed), on the device they pick (mps on a Mac). mlxdist does the res
 - Ctrl-C or SIGTERM on any rank stops every rank after the same step, with a checkpoint when
   `save_strategy` is not "no".
 
-Not here: the gradient sum starts after the step's last backward rather than during it; the
-training sampler is mlxdist's (`train_sampling_strategy` / `group_by_length` are not used);
-evaluation runs whole on every rank (the same numbers; rank 0 logs them); at the end rank 0
-holds the model to keep (`load_best_model_at_end` loads it there only). `use_cpu=True` under
+Not here: the gradient sum starts after the step's last backward rather than during it;
+`args.world_size`, `process_index` and `parallel_mode` stay transformers' one-process values
+(1, 0, not_parallel: where they say more, transformers calls torch.distributed; the line each
+rank prints says the truth); evaluation runs whole on every rank (the same numbers; rank 0 logs
+them); at the end rank 0 holds the model to keep (`load_best_model_at_end` loads it there only). `use_cpu=True` under
 mpirun makes accelerate start torch.distributed before mlxdist is asked: leave the device to
 the Trainer.
 """
@@ -50,6 +55,7 @@ from .. import torch as md
 from ..config import ConfigError
 from ..markers import write_line
 from ..yourloop import session as _session
+from ._batches import shard
 
 _NAME = "mlxdist.hf"
 _CHUNK = 1 << 28  # bytes of a checkpoint file per broadcast
@@ -102,6 +108,7 @@ class DistributedTrainer:
         if self.args.auto_find_batch_size:
             raise ConfigError(f"{_NAME}: auto_find_batch_size would change the cluster's batch on one rank only; "
                               "set per_device_train_batch_size (the cluster's batch, split by `nodes:`)")
+        self._md_share_batch()
         self.add_callback(_StopTogether())
         self._md_opt = None
         self._md_samples, self._md_loss = 0, 0.0
@@ -120,17 +127,24 @@ class DistributedTrainer:
 
     # ---- data: this rank's share of every global batch ----
 
+    def _md_share_batch(self) -> None:
+        """The cluster's batch stays the Trainer's (its DataLoader makes it); the arguments say
+        this rank's share of it, and one line on each rank says who it is."""
+        s = _session.current(_NAME)
+        cluster = getattr(self.args, "_md_cluster_batch", None) or self._train_batch_size
+        share = s.shares(cluster)[s.rank]
+        self._train_batch_size = self.args._md_cluster_batch = cluster
+        self.args.per_device_train_batch_size = share
+        write_line(f"{_NAME}: rank {s.rank} of {s.size} ({s.world.host}): {share} of each batch of {cluster} "
+                   f"(per_device_train_batch_size={share}); transformers sees one process (world_size 1, "
+                   "process_index 0): mlxdist joins the ranks, not torch.distributed")
+
     def get_train_dataloader(self):
         data = self.train_dataset
-        if data is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        if isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__len__"):
+        if isinstance(data, torch.utils.data.IterableDataset) or (data is not None and not hasattr(data, "__len__")):
             raise ConfigError(f"{_NAME}: the train_dataset has no length; the ranks split a sized dataset "
                               "(e.g. a datasets.Dataset, not streaming=True)")
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        sampler = md.DistributedSampler(len(data), self._train_batch_size, seed=seed)
-        return self._get_dataloader(dataset=data, description="Training", batch_size=sampler.batch_size,
-                                    sampler_fn=lambda _data: sampler, is_training=True)
+        return shard(super().get_train_dataloader(), _NAME)
 
     # ---- gradients: summed over ranks after the step's last backward ----
 

@@ -12,10 +12,14 @@ Every rank runs the whole script, and Lightning sees one process with one device
 - `global_rank`, `world_size`, `is_global_zero` from mpirun, so only rank 0 logs, prints and
   writes checkpoints (a checkpoint only rank 0 has resumes every rank: `ckpt_path=`).
 - Rank 0's weights and optimizer state on every rank before the first step (`md.broadcast`).
-- The training DataLoader's `batch_size` is the global batch: each rank takes its share
-  (`nodes:` batch sizes of the config, equal shares without one) from a shuffled stream fixed
-  by (seed, position) (`md.DistributedSampler`). Validation, test and predict loaders run
-  whole on every rank (the same numbers everywhere).
+- The training DataLoader is the user's own, kept whole: its sampler (`shuffle`, its generator
+  and seed, a custom sampler or batch sampler) and `drop_last` make the cluster's batches, and
+  each rank takes its share of every batch (`nodes:` batch sizes of the config, equal shares
+  without one), the last partial batch included: on one process the run is plain Lightning's.
+  A batch with fewer samples than the ranks is skipped by every rank (one line at start says
+  so). Validation, test and predict loaders run whole on every rank (the same numbers everywhere).
+- A loss logged in `training_step` (`self.log`, a mean) is the cluster's, each rank's value
+  weighed by its units, on the progress bar and in the loggers, with or without `sync_dist`.
 - Gradients are summed over ranks and divided by the cluster's units after the step's last
   backward, before gradient clipping and `on_before_optimizer_step`, so 3 + 5 samples train as
   one process with 8. A unit is a sample: `training_step` returns the mean loss over its batch
@@ -43,6 +47,7 @@ from typing import Any
 import torch
 
 from .. import torch as md
+from ._batches import RankBatches, shard, torch_loader
 
 _NAME = "mlxdist.lightning"
 _CLASSES: dict[str, type] = {}
@@ -95,23 +100,6 @@ def _op(reduce_op: Any) -> str:
     return ops[name]
 
 
-class _Sampler(md.DistributedSampler):
-    """`md.DistributedSampler` as Lightning counts a resumed epoch: its full length (Lightning
-    counts the batches done before the checkpoint), from `start_step` in that epoch only."""
-
-    def __init__(self, n_samples: int, global_batch: int, seed: int, start_step: int, epoch: int):
-        super().__init__(n_samples, global_batch, seed, start_step)
-        self.epoch, self._resumed_epoch = epoch, epoch
-
-    def __len__(self) -> int:
-        return self.steps * self.batch_size
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        if epoch != self._resumed_epoch:
-            self.start_step = 0
-
-
 class _Params(torch.nn.Module):
     """One optimizer's parameters, in the module's order (several optimizers: each sums its own)."""
 
@@ -145,9 +133,9 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
 
         `config`: a YAML whose `nodes:` give each Mac's share of a global batch (else
         `$MLXDIST_CONFIG`, else equal shares). `reduction`: how `training_step`'s loss covers
-        its units, 'mean' (weighed by its count) or 'sum'. `seed`: the training samples' order
-        (default: `seed_everything`'s, else 0). `device`: this rank's device (default: the
-        Trainer's accelerator: mps, cuda:LOCAL_RANK, cpu)."""
+        its units, 'mean' (weighed by its count) or 'sum'. The training order is the
+        DataLoader's own (`seed` is refused: seed its sampler, or `seed_everything`). `device`:
+        this rank's device (default: the Trainer's accelerator: mps, cuda:LOCAL_RANK, cpu)."""
 
         strategy_name = "mlxdist"
 
@@ -157,9 +145,13 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
             super().__init__(device=device or "cpu", **kwargs)
             if reduction not in ("mean", "sum"):
                 raise ValueError(f"{_NAME}: reduction '{reduction}' is not 'mean' or 'sum'")
+            if seed is not None:
+                raise ValueError(f"{_NAME}: seed={seed} is not used: the training order is your DataLoader's own; "
+                                 "seed its sampler (a torch.Generator) or call seed_everything")
             info = md.init(config if config is not None else os.environ.get("MLXDIST_CONFIG"), device="cpu")
             self._device_given = device is not None
-            self.reduction, self.seed = reduction, seed
+            self.reduction = reduction
+            self._deferring = False  # in training_step: a logged mean waits for _cluster_logs
             self._bucket_mb, self._wire_dtype, self._overlap = bucket_mb, wire_dtype, overlap
             self.global_rank, self.local_rank, self.world_size = info.rank, info.local_rank, info.size
             self.node_rank = 0
@@ -214,33 +206,18 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
         # -- data ------------------------------------------------------------------------------
 
         def process_dataloader(self, dataloader: object) -> object:
+            """The training DataLoader as the user made it, each batch split between the ranks."""
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             if (trainer is None or trainer.state.stage != RunningStage.TRAINING
-                    or not isinstance(dataloader, DataLoader) or isinstance(dataloader.sampler, md.DistributedSampler)):
+                    or not isinstance(dataloader, DataLoader) or isinstance(dataloader.sampler, md.DistributedSampler)
+                    or isinstance(torch_loader(dataloader).batch_sampler, RankBatches)):
                 return dataloader
-            if pl_data.has_iterable_dataset(dataloader) or dataloader.batch_size is None:
-                raise ValueError(f"{_NAME}: the training DataLoader needs a map-style dataset and a batch_size "
-                                 "(the global batch, which each rank takes its share of); an IterableDataset or a "
-                                 "batch_sampler cannot be split by samples")
-            seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+            if pl_data.has_iterable_dataset(dataloader):
+                raise ValueError(f"{_NAME}: the training DataLoader has an IterableDataset, which cannot be split "
+                                 "between ranks by samples; use a map-style dataset (len and [i])")
             loop = trainer.fit_loop.epoch_loop  # a run resumed mid-epoch goes on where it stopped
             done = loop.batch_progress.current.processed if loop.restarting else 0
-            sampler = _Sampler(len(dataloader.dataset), dataloader.batch_size, seed, done, trainer.current_epoch)
-            if type(dataloader) is DataLoader:
-                keys = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
-                        "multiprocessing_context", "generator", "persistent_workers", "pin_memory_device", "in_order")
-                kw = {k: getattr(dataloader, k) for k in keys if hasattr(dataloader, k)}
-                if dataloader.num_workers > 0:
-                    kw["prefetch_factor"] = dataloader.prefetch_factor
-                return DataLoader(dataloader.dataset, batch_size=sampler.batch_size, sampler=sampler, **kw)
-            args, kw = pl_data._get_dataloader_init_args_and_kwargs(dataloader, sampler, RunningStage.TRAINING)
-            if "batch_size" not in kw:
-                raise ValueError(f"{_NAME}: cannot set the batch size of a {type(dataloader).__name__} given it "
-                                 "positionally; pass batch_size= by name")
-            kw.update(batch_size=sampler.batch_size, drop_last=False)
-            from importlib import import_module
-
-            return import_module(f"{fabric}.utilities.data")._reinstantiate_wrapped_cls(dataloader, *args, **kw)
+            return shard(dataloader, _NAME, skip=done)
 
         # -- gradients -------------------------------------------------------------------------
 
@@ -250,10 +227,35 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
             self._batch_size = pl_data.extract_batch_size(batch)
 
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
-            out = super().training_step(*args, **kwargs)
+            results = self.lightning_module.trainer._results
+            before = {k: id(m._forward_cache) for k, m in results.items()} if results is not None else {}
+            self._deferring = self.world_size > 1
+            try:
+                out = super().training_step(*args, **kwargs)
+            finally:
+                self._deferring = False
             if isinstance(out, dict) and "count" in out:
                 self.count = int(out["count"])
+            if self.world_size > 1 and results is not None:
+                self._cluster_logs(results, before)
             return out
+
+        def _cluster_logs(self, results: Any, before: dict[str, int]) -> None:
+            """The means `training_step` just logged, as the cluster's: each rank's value weighed
+            by its units (what the progress bar and loggers show), not rank 0's own."""
+            mine = {k: (float(m._forward_cache), float(self._units())) for k, m in results.items()
+                    if m.is_tensor and m.meta.on_step and m.meta.is_mean_reduction and m._forward_cache is not None
+                    and id(m._forward_cache) != before.get(k)}
+            every = md.all_gather(mine)
+            for key in mine:
+                pairs = [r[key] for r in every if key in r]
+                units = sum(w for _, w in pairs)
+                value = (sum(v * w for v, w in pairs) / units if units > 0
+                         else sum(v for v, _ in pairs) / len(pairs))
+                m = results[key]
+                m._forward_cache = torch.tensor(value, dtype=m._forward_cache.dtype, device=m._forward_cache.device)
+                if not m.meta.on_epoch:
+                    m.value = m._forward_cache
 
         def _dist(self, optimizer: Any) -> Any:
             optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
@@ -305,6 +307,8 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
 
         def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
             if not isinstance(tensor, torch.Tensor) or self.world_size == 1:
+                return tensor
+            if self._deferring and _op(reduce_op) == "mean":  # weighed by units after training_step
                 return tensor
             return md.all_reduce(tensor, _op(reduce_op))
 

@@ -24,7 +24,8 @@ p.add_argument("--config")
 p.add_argument("--modes", default="samples",
                help="comma-separated: samples (a mean loss), resume (samples stopped after 2 steps and resumed "
                     "from rank 0's checkpoint), tokens (a mean over weighted units, 'count' "
-                    "returned, 2 accumulated micro-batches, clipping), plain (no strategy; timing only)")
+                    "returned, 2 accumulated micro-batches, clipping), unseeded (samples, shuffled without a common "
+                    "seed, a last batch of 1), plain (no strategy; timing only)")
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--global-batch", type=int, default=8)
 p.add_argument("--root", default=".")
@@ -67,6 +68,8 @@ for i, mode in enumerate(args.modes.split(",")):
     torch.manual_seed(1000 + rank)  # a different init per rank: the strategy starts all on rank 0's
     model = Net(tokens=mode == "tokens")
     loader = DataLoader(TensorDataset(x, y, w), batch_size=args.global_batch)   # the cluster's batch
+    if mode == "unseeded":  # shuffled from each rank's own torch seed; 249 = 31 batches of 8 and one of 1
+        loader = DataLoader(TensorDataset(x[:249], y[:249], w[:249]), batch_size=args.global_batch, shuffle=True)
     root = f"{args.root}/{i}-{mode}/rank{rank}"
     if mode == "resume":  # 2 steps and a checkpoint, then a fresh model resumes from it for 2 more
         ckpts = pl.callbacks.ModelCheckpoint(dirpath=f"{root}/ckpt", every_n_train_steps=2, save_top_k=-1)
