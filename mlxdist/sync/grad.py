@@ -55,16 +55,31 @@ class GradSync(Reducer):
     def all_sum(self, arrays: list[mx.array]) -> tuple[list[mx.array], SyncStats]:
         if self.transport.size == 1:
             return arrays, SyncStats()
-        if self._plan is None:
-            self._plan = self._make_plan(arrays)
-        flats = [arrays[b[0]].reshape(-1) if len(b) == 1 and arrays[b[0]].dtype == self.wire
-                 else mx.concatenate([arrays[i].reshape(-1) for i in b]).astype(self.wire)
-                 for b in self._plan]
+        flats = self._pack(arrays)
         mx.eval(flats)
         t0 = time.perf_counter()
         summed = self.transport.all_sum_arrays(flats)
         mx.eval(summed)
         stats = SyncStats(time.perf_counter() - t0, sum(f.nbytes for f in flats))
+        return self._unpack(summed, arrays), stats
+
+    def all_sum_in_graph(self, arrays: list[mx.array]) -> list[mx.array]:
+        """The same sum, in the same buckets, left as lazy graph nodes (no eval, no host): what
+        a step under `mx.compile` may hold. The transport must declare `graph_sum`."""
+        if self.transport.size == 1:
+            return arrays
+        return self._unpack(self.transport.all_sum_in_graph(self._pack(arrays)), arrays)
+
+    def _pack(self, arrays: list[mx.array]) -> list[mx.array]:
+        """The flat wire buckets (lazy): one array alone where the transport sends it as it is."""
+        if self._plan is None:
+            self._plan = self._make_plan(arrays)
+        return [arrays[b[0]].reshape(-1) if len(b) == 1 and arrays[b[0]].dtype == self.wire
+                else mx.concatenate([arrays[i].reshape(-1) for i in b]).astype(self.wire)
+                for b in self._plan]
+
+    def _unpack(self, summed: list[mx.array], arrays: list[mx.array]) -> list[mx.array]:
+        """The summed buckets cut back into fp32 arrays of `arrays`' shapes."""
         out: list[mx.array] = [None] * len(arrays)  # type: ignore[list-item]
         for bucket, flat in zip(self._plan, summed, strict=True):
             flat = flat.astype(mx.float32)
@@ -76,7 +91,7 @@ class GradSync(Reducer):
                 n = arrays[i].size
                 out[i] = flat[offset : offset + n].reshape(arrays[i].shape)
                 offset += n
-        return out, stats
+        return out
 
 
 __all__ = ["GradSync", "SyncStats", "Unreduced", "plan_buckets"]
