@@ -63,7 +63,7 @@ def wikitext(dataset="2", save_dir="/tmp"):
     return _load(data_dir, filenames)
 
 
-def ptb(save_dir="/tmp"):
+def ptb(save_dir=os.environ.get("PTB_DIR", "/tmp")):  # md: a tiny generated PTB in tests
     """
     Load the PTB language modeling dataset:
         https://paperswithcode.com/dataset/penn-treebank

@@ -1,10 +1,12 @@
 # Copyright © 2023-2024 Apple Inc.
 
 import math
+import os  # md
 import time
 from functools import partial
 
 import datasets
+import mlxdist.mlx as md  # md
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -47,16 +49,12 @@ def to_samples(context_size, dataset):
 
 def iterate_batches(batch_size, context_size, dataset):
     inputs = to_samples(context_size, dataset)
+    sampler = md.DistributedSampler(inputs.shape[0], batch_size)  # md
     s = 0
     while True:
-        if s == 0:
-            # Reset permutation:
-            perm = mx.random.permutation(inputs.shape[0])
-        ids = perm[s : s + batch_size]
+        ids = mx.array(sampler.indices(s))  # md
         yield inputs[ids]
-        s += batch_size
-        if s >= inputs.shape[0]:
-            s = 0
+        s += 1  # md
 
 
 def main(args):
@@ -65,6 +63,8 @@ def main(args):
     steps_per_eval = args.steps_per_eval
     steps_per_report = args.steps_per_report
 
+    md.init(os.environ.get("MLXDIST_CONFIG"))  # md
+    mx.random.seed(args.seed)  # md: its --seed was parsed but never used
     # Load vocab and dataset:
     vocab, train, valid, test = datasets.load_dataset(args.dataset)
 
@@ -86,6 +86,7 @@ def main(args):
     optimizer = optim.AdamW(
         learning_rate=args.learning_rate, weight_decay=args.weight_decay
     )
+    md.broadcast(model)  # md
 
     def eval_fn(dataset):
         inputs = to_samples(context_size, dataset)
@@ -101,6 +102,7 @@ def main(args):
     def step(inputs):
         loss_and_grad_fn = nn.value_and_grad(model, loss_fn)
         loss, grads = loss_and_grad_fn(model, inputs)
+        grads = md.average_gradients(grads, count=inputs.shape[0])  # md
         optimizer.update(model, grads)
         return loss
 
@@ -132,6 +134,8 @@ def main(args):
             )
             tic = time.perf_counter()
 
+    if os.environ.get("MLXDIST_SAVE") and md.info().rank == 0:  # md: the weights, to compare
+        model.save_weights(os.environ["MLXDIST_SAVE"])  # md
     if args.eval_test:
         test_loss = eval_fn(test)
         test_ppl = math.exp(test_loss)
