@@ -1,0 +1,173 @@
+"""`python -m mlxdist.bench compiled`: your MLX loop's step under `mx.compile` with
+`md.average_gradients` inside it (the sums in MLX's graph) against the same step uncompiled
+with the sum after backward (on the host under `auto`), on N ranks.
+
+Run plainly, it launches itself under `mpirun` (this host, or namespace hosts with
+`--simcluster N --rate 1gbit`). Each round times both steps in turn, step after step, in the
+same ranks on the same model and stream of batches, so a round's ratio of medians compares
+like with like on a noisy box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mlxdist.bench compiled")
+    p.add_argument("--np", type=int, default=2, help="ranks")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each timing both steps")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per step kind and round")
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of each timing")
+    p.add_argument("--backend", default="auto", help="md.init's backend (auto: mpi4py + MLX's in-graph sums)")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="global batch (rows of --context tokens)")
+    p.add_argument("--simcluster", type=int, default=0, help="namespace hosts (root), 0: this host")
+    p.add_argument("--rate", default=None, help="their links' rate, e.g. 1gbit")
+    p.add_argument("--subnet", default="10.93.0")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--_out", help=argparse.SUPPRESS)
+    return p
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from ..blas import ensure_blas
+
+    ensure_blas()  # a fast BLAS, and thread counts that share the cores among the ranks
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+
+    import mlxdist.mlx as md
+
+    info = md.init(backend=args.backend)
+    mx.random.seed(0)
+    vocab = 1024
+    model = _model(nn, mx, vocab, args.dim, args.layers)
+    opt = optim.AdamW(learning_rate=1e-4)
+    md.broadcast(model)
+    data = np.random.default_rng(0).integers(0, vocab, size=(512, args.context + 1)).astype(np.int32)
+    sampler = md.DistributedSampler(len(data), args.batch)
+    state = [model.state, opt.state]
+
+    def loss_fn(model, tokens):
+        return nn.losses.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], reduction="mean")
+
+    def step(tokens):
+        loss, grads = nn.value_and_grad(model, loss_fn)(model, tokens)
+        opt.update(model, md.average_gradients(grads, count=tokens.shape[0]))
+        return loss
+
+    kinds = {"uncompiled": step, "compiled": partial(mx.compile, inputs=state, outputs=state)(step)}
+    at, times = 0, {k: [] for k in kinds}
+    for _ in range(args.rounds):
+        took: dict[str, list[float]] = {k: [] for k in kinds}
+        for i in range(args.warmup + args.steps):
+            for kind, fn in kinds.items():  # step by step, in turn: the box's noise hits both alike
+                tokens = mx.array(data[sampler.indices(at)])
+                at += 1
+                t0 = time.perf_counter()
+                fn(tokens)
+                mx.eval(state)
+                if i >= args.warmup:
+                    took[kind].append(time.perf_counter() - t0)
+        for kind in kinds:  # rank 0's clock; every rank waited for the same sums
+            times[kind].append(statistics.median(took[kind]))
+    if info.rank == 0:
+        from mlx.utils import tree_flatten
+
+        params = sum(v.size for _, v in tree_flatten(model.parameters()))
+        Path(args._out).write_text(json.dumps({"n": info.size, "backend": md._SYNC["backend"], "params": params,
+                                               "median_step_s": times}))
+    return 0
+
+
+def _model(nn, mx, vocab: int, dim: int, layers: int):
+    class LM(nn.Module):
+        """mlx-examples' transformer_lm model: embedding, pre-norm encoder, a causal mask."""
+
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(vocab, dim)
+            self.transformer = nn.TransformerEncoder(layers, dim, max(1, dim // 64), norm_first=True)
+            self.out_proj = nn.Linear(dim, vocab)
+
+        def __call__(self, x):
+            mask = nn.MultiHeadAttention.create_additive_causal_mask(x.shape[1])
+            return self.out_proj(self.transformer(self.embedding(x), mask))
+
+    model = LM()
+    mx.eval(model.parameters())
+    return model
+
+
+def _launch(args: argparse.Namespace, argv: list[str], cluster, out: Path) -> None:
+    from ..cluster.world import default_mpi_library, find_mpirun
+    from ..launch.mpirun import mpirun_command
+
+    env = dict(os.environ, MLX_MPI_LIBNAME=default_mpi_library(find_mpirun()))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    os.environ.update(MLX_MPI_LIBNAME=env["MLX_MPI_LIBNAME"], PYTHONPATH=env["PYTHONPATH"])
+    forward = ["MLX_MPI_LIBNAME", "PYTHONPATH", *[k for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS") if k in env]]
+    base = (mpirun_command([], **cluster.mpirun_options(), env=forward) if cluster is not None
+            else [*mpirun_command([], env=forward), "--oversubscribe"])
+    cmd = [*base, "-np", str(args.np), sys.executable, "-m", "mlxdist.bench.compiled", *argv, "--_out", str(out)]
+    res = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+    if res.returncode != 0 or not out.exists():
+        raise SystemExit(f"bench compiled: mpirun exited {res.returncode}\n{res.stdout[-2000:]}{res.stderr[-4000:]}")
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args._out:
+        return _worker(args)
+    from .runs import namespace_hosts
+
+    with tempfile.TemporaryDirectory(prefix="mlxdist-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        os.chmod(tmp, 0o755)
+        with namespace_hosts(args, tmp, "compiled", "mlxcomp") as cluster:
+            args.np = args.simcluster or args.np
+            _launch(args, _without(argv, "--json"), cluster, tmp / "out.json")
+        result = json.loads((tmp / "out.json").read_text())
+    t = result["median_step_s"]
+    ratios = [c / u for c, u in zip(t["compiled"], t["uncompiled"], strict=True)]
+    where = f"{args.simcluster} namespace hosts at {args.rate or 'full speed'}" if args.simcluster else "one host"
+    print(f"compiled step (sum in the graph) vs uncompiled (sum after backward), {result['n']} ranks on {where}, "
+          f"backend {result['backend']}, {result['params'] / 1e6:.2f}M parameters, global batch {args.batch}")
+    for r, (c, u, q) in enumerate(zip(t["compiled"], t["uncompiled"], ratios, strict=True)):
+        print(f"  round {r + 1}: uncompiled {u * 1e3:8.1f} ms, compiled {c * 1e3:8.1f} ms, ratio {q:.2f}")
+    result["ratios"] = ratios
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
