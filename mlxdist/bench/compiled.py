@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--simcluster", type=int, default=0, help="namespace hosts (root), 0: this host")
     p.add_argument("--rate", default=None, help="their links' rate, e.g. 1gbit")
     p.add_argument("--subnet", default="10.93.0")
+    p.add_argument("--trainer", action="store_true",
+                   help="the trainer's MLX data-parallel step (its engine, GradSync, AdamW, clipping) instead")
+    p.add_argument("--preset", default="tiny", help="--trainer: model.preset")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--_out", help=argparse.SUPPRESS)
@@ -46,6 +49,8 @@ def _worker(args: argparse.Namespace) -> int:
     from ..blas import ensure_blas
 
     ensure_blas()  # a fast BLAS, and thread counts that share the cores among the ranks
+    if args.trainer:
+        return _trainer_worker(args)
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -93,6 +98,92 @@ def _worker(args: argparse.Namespace) -> int:
         Path(args._out).write_text(json.dumps({"n": info.size, "backend": md._SYNC["backend"], "params": params,
                                                "median_step_s": times}))
     return 0
+
+
+def _trainer_worker(args: argparse.Namespace) -> int:
+    """The trainer's step as data parallel runs it today (micro_step's eval, GradSync's sum on
+    the host, the loss and count summed on the host, apply_gradients' norm read back, the
+    compiled update) against the same pieces as one compiled function with the sums in the graph."""
+    import mlx.core as mx
+
+    from ..cluster.transport import make_transport
+    from ..cluster.world import init_world
+    from ..config import load_config
+    from ..data.sampler import GlobalSampler, rank_slice
+    from ..engine.mlx_engine import MLXEngine
+    from ..sync.grad import GradSync
+    from ..tasks.load import resolve_task
+
+    backend = "mpi4py+mlx-mpi" if args.backend == "auto" else args.backend
+    world = init_world(backend)
+    cfg = load_config(None, ["data.source=synthetic", f"data.seq_len={args.context}", f"model.preset={args.preset}",
+                             f"train.batch_size={args.batch}", "train.grad_clip=1.0"])
+    task, engine = resolve_task(cfg), MLXEngine(cfg)
+    sync = GradSync(make_transport(world, backend))
+    graph = _graph_step(engine, sync, cfg.train.grad_clip)
+    sampler, shares = GlobalSampler(len(task.dataset), 0), [args.batch // world.size] * world.size
+    shares[-1] += args.batch - sum(shares)
+    lo, hi = rank_slice(shares, world.rank)
+    at, times = 0, {"today": [], "in-graph": []}
+    for _ in range(args.rounds):
+        took: dict[str, list[float]] = {k: [] for k in times}
+        for i in range(args.warmup + args.steps):
+            for kind in times:
+                batch = task.make_batch(task.dataset, sampler.indices(at * args.batch + lo, hi - lo))
+                at += 1
+                t0 = time.perf_counter()
+                if kind == "today":
+                    engine.micro_step(batch)
+                    local = engine.take_gradients()
+                    grads, _ = sync.all_sum(local.arrays)
+                    loss, count = world.allreduce_sum([local.loss_sum, local.count])
+                    engine.apply_gradients(grads, loss, int(count), cfg.train.lr)
+                else:
+                    graph(batch, cfg.train.lr)
+                if i >= args.warmup:
+                    took[kind].append(time.perf_counter() - t0)
+        for kind in times:
+            times[kind].append(statistics.median(took[kind]))
+    if world.rank == 0:
+        params = sum(a.size for a in engine.params.values())
+        Path(args._out).write_text(json.dumps({"n": world.size, "backend": backend, "params": params,
+                                               "median_step_s": {"uncompiled": times["today"],
+                                                                 "compiled": times["in-graph"]}}))
+    return 0
+
+
+def _graph_step(engine, sync, clip: float):
+    """One compiled function: value_and_grad, the in-graph sum of the gradients with the loss
+    and the count, the global norm and its clipping, the engine's optimizer update."""
+    import mlx.core as mx
+
+    names, opt = engine.names, engine.optimizer
+    keys = opt.state_names
+
+    def fn(params, states, data, count, scalars):
+        (loss, _, _), grads = engine._value_and_grad(dict(zip(names, params, strict=True)), data)
+        *summed, loss_total, total = sync.all_sum_in_graph([*(grads[n] for n in names), loss.reshape(1),
+                                                            count.reshape(1)])
+        grads = [g / mx.maximum(total, 1) for g in summed]
+        norm = mx.sqrt(sum(mx.sum(mx.square(g)) for g in grads))
+        coef = mx.minimum(1.0, clip / (norm + 1e-6)) if clip > 0 else mx.array(1.0)
+        new, new_states = engine._update_all(params, states, [g * coef for g in grads], scalars)
+        return new, new_states, loss_total, norm
+
+    compiled = mx.compile(fn)
+
+    def step(batch, lr: float) -> None:
+        t = engine.opt_step + 1
+        new, states, _, _ = compiled([engine.params[n] for n in names],
+                                     [tuple(engine.opt_state[k][n] for k in keys) for n in names],
+                                     engine._arrays(batch.data), mx.array(float(batch.count)),
+                                     mx.array(opt.scalars(lr, t, 1.0)))
+        engine.params = dict(zip(names, new, strict=True))
+        engine.opt_state = {k: {n: st[i] for n, st in zip(names, states, strict=True)} for i, k in enumerate(keys)}
+        mx.eval(engine.params, engine.opt_state)
+        engine.opt_step = t
+
+    return step
 
 
 def _model(nn, mx, vocab: int, dim: int, layers: int):

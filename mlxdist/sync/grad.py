@@ -32,6 +32,7 @@ class GradSync(Reducer):
         # The codec's name is MLX's dtype name: the cast is the encoding, the ring sums it.
         self.wire = getattr(mx, make_codec(wire_dtype, "dist.wire_dtype", summable=True).name)
         self._plan: list[list[int]] | None = None
+        self._layout: list[tuple] = []
 
     def _make_plan(self, arrays: list[mx.array]) -> list[list[int]]:
         direct = self.transport.direct_min_bytes
@@ -44,9 +45,8 @@ class GradSync(Reducer):
         return [[i] for i in alone] + [[rest[j] for j in b] for b in packed]
 
     def forget_layout(self) -> None:
-        """The next `all_sum` plans its buckets afresh: the buckets are planned once, for the
-        first gradient list, and a caller whose list changes (the all-reduce bench's sizes)
-        must say so."""
+        """The next `all_sum` plans its buckets afresh (a list of other sizes or dtypes than the
+        last one's is replanned anyway: a sum never cuts one layout by another's plan)."""
         self._plan = None
 
     def arm(self, engine) -> None:
@@ -72,8 +72,9 @@ class GradSync(Reducer):
 
     def _pack(self, arrays: list[mx.array]) -> list[mx.array]:
         """The flat wire buckets (lazy): one array alone where the transport sends it as it is."""
-        if self._plan is None:
-            self._plan = self._make_plan(arrays)
+        layout = [(a.size, a.dtype) for a in arrays]
+        if self._plan is None or layout != self._layout:  # planned once per gradient list
+            self._plan, self._layout = self._make_plan(arrays), layout
         return [arrays[b[0]].reshape(-1) if len(b) == 1 and arrays[b[0]].dtype == self.wire
                 else mx.concatenate([arrays[i].reshape(-1) for i in b]).astype(self.wire)
                 for b in self._plan]
