@@ -76,21 +76,14 @@ def _worker(args: argparse.Namespace) -> int:
         opt.update(model, md.average_gradients(grads, count=tokens.shape[0]))
         return loss
 
-    kinds = {"uncompiled": step, "compiled": partial(mx.compile, inputs=state, outputs=state)(step)}
-    at, times = 0, {k: [] for k in kinds}
-    for _ in range(args.rounds):
-        took: dict[str, list[float]] = {k: [] for k in kinds}
-        for i in range(args.warmup + args.steps):
-            for kind, fn in kinds.items():  # step by step, in turn: the box's noise hits both alike
-                tokens = mx.array(data[sampler.indices(at)])
-                at += 1
-                t0 = time.perf_counter()
-                fn(tokens)
-                mx.eval(state)
-                if i >= args.warmup:
-                    took[kind].append(time.perf_counter() - t0)
-        for kind in kinds:  # rank 0's clock; every rank waited for the same sums
-            times[kind].append(statistics.median(took[kind]))
+    kinds = {"uncompiled, sum after backward": step,
+             "compiled, sum in the graph": partial(mx.compile, inputs=state, outputs=state)(step)}
+
+    def run(kind: str, at: int) -> None:
+        kinds[kind](mx.array(data[sampler.indices(at)]))
+        mx.eval(state)
+
+    times = _timed(list(kinds), run, args)
     if info.rank == 0:
         from mlx.utils import tree_flatten
 
@@ -100,11 +93,29 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _timed(kinds: list[str], run, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Each round's median step time of each kind; the kinds take turns step by step (the
+    box's noise hits them alike), each on the next global batch. Rank 0's clock: every rank
+    waits for the same sums."""
+    at, times = 0, {k: [] for k in kinds}
+    for _ in range(args.rounds):
+        took: dict[str, list[float]] = {k: [] for k in kinds}
+        for i in range(args.warmup + args.steps):
+            for kind in kinds:
+                t0 = time.perf_counter()
+                run(kind, at)
+                at += 1
+                if i >= args.warmup:
+                    took[kind].append(time.perf_counter() - t0)
+        for kind in kinds:
+            times[kind].append(statistics.median(took[kind]))
+    return times
+
+
 def _trainer_worker(args: argparse.Namespace) -> int:
     """The trainer's step as data parallel runs it today (micro_step's eval, GradSync's sum on
     the host, the loss and count summed on the host, apply_gradients' norm read back, the
     compiled update) against the same pieces as one compiled function with the sums in the graph."""
-    import mlx.core as mx
 
     from ..cluster.transport import make_transport
     from ..cluster.world import init_world
@@ -124,32 +135,47 @@ def _trainer_worker(args: argparse.Namespace) -> int:
     sampler, shares = GlobalSampler(len(task.dataset), 0), [args.batch // world.size] * world.size
     shares[-1] += args.batch - sum(shares)
     lo, hi = rank_slice(shares, world.rank)
-    at, times = 0, {"today": [], "in-graph": []}
-    for _ in range(args.rounds):
-        took: dict[str, list[float]] = {k: [] for k in times}
-        for i in range(args.warmup + args.steps):
-            for kind in times:
-                batch = task.make_batch(task.dataset, sampler.indices(at * args.batch + lo, hi - lo))
-                at += 1
-                t0 = time.perf_counter()
-                if kind == "today":
-                    engine.micro_step(batch)
-                    local = engine.take_gradients()
-                    grads, _ = sync.all_sum(local.arrays)
-                    loss, count = world.allreduce_sum([local.loss_sum, local.count])
-                    engine.apply_gradients(grads, loss, int(count), cfg.train.lr)
-                else:
-                    graph(batch, cfg.train.lr)
-                if i >= args.warmup:
-                    took[kind].append(time.perf_counter() - t0)
-        for kind in times:
-            times[kind].append(statistics.median(took[kind]))
+    compiled_grads = _compiled_value_and_grad(engine)
+
+    def run(kind: str, at: int) -> None:
+        batch = task.make_batch(task.dataset, sampler.indices(at * args.batch + lo, hi - lo))
+        if kind.endswith("in the graph"):
+            graph(batch, cfg.train.lr)
+            return
+        if kind.startswith("today"):
+            engine.micro_step(batch)
+            local = engine.take_gradients()
+            arrays, loss_sum, count = local.arrays, local.loss_sum, local.count
+        else:
+            arrays, loss_sum, count = compiled_grads(batch)
+        grads, _ = sync.all_sum(arrays)
+        loss, total = world.allreduce_sum([loss_sum, count])
+        engine.apply_gradients(grads, loss, int(total), cfg.train.lr)
+
+    times = _timed(["today: backward, sum after", "backward compiled, sum after",
+                    "compiled, sum in the graph"], run, args)
     if world.rank == 0:
         params = sum(a.size for a in engine.params.values())
         Path(args._out).write_text(json.dumps({"n": world.size, "backend": backend, "params": params,
-                                               "median_step_s": {"uncompiled": times["today"],
-                                                                 "compiled": times["in-graph"]}}))
+                                               "median_step_s": times}))
     return 0
+
+
+def _compiled_value_and_grad(engine):
+    """The engine's backward under mx.compile, the sum left to the host after it: what a
+    compiled step without in-graph collectives can do."""
+    import mlx.core as mx
+
+    names = engine.names
+    fn = mx.compile(lambda params, data: engine._value_and_grad(dict(zip(names, params, strict=True)), data))
+
+    def grads(batch) -> tuple[list, float, int]:
+        (loss, _, _), g = fn([engine.params[n] for n in names], engine._arrays(batch.data))
+        arrays = [g[n] for n in names]
+        mx.eval(arrays, loss)
+        return arrays, loss.item(), batch.count
+
+    return grads
 
 
 def _graph_step(engine, sync, clip: float):
@@ -236,13 +262,16 @@ def main(argv: list[str]) -> int:
             _launch(args, _without(argv, "--json"), cluster, tmp / "out.json")
         result = json.loads((tmp / "out.json").read_text())
     t = result["median_step_s"]
-    ratios = [c / u for c, u in zip(t["compiled"], t["uncompiled"], strict=True)]
+    kinds = list(t)
     where = f"{args.simcluster} namespace hosts at {args.rate or 'full speed'}" if args.simcluster else "one host"
-    print(f"compiled step (sum in the graph) vs uncompiled (sum after backward), {result['n']} ranks on {where}, "
-          f"backend {result['backend']}, {result['params'] / 1e6:.2f}M parameters, global batch {args.batch}")
-    for r, (c, u, q) in enumerate(zip(t["compiled"], t["uncompiled"], ratios, strict=True)):
-        print(f"  round {r + 1}: uncompiled {u * 1e3:8.1f} ms, compiled {c * 1e3:8.1f} ms, ratio {q:.2f}")
-    result["ratios"] = ratios
+    print(f"{'the trainer' if args.trainer else 'your loop'}'s MLX step; {result['n']} ranks on {where}, backend "
+          f"{result['backend']}, {result['params'] / 1e6:.2f}M parameters, global batch {args.batch}; median step "
+          f"time per round, and its ratio to '{kinds[0]}'")
+    result["ratios"] = {k: [a / b for a, b in zip(t[k], t[kinds[0]], strict=True)] for k in kinds[1:]}
+    for r in range(len(t[kinds[0]])):
+        cells = [f"{kinds[0]} {t[kinds[0]][r] * 1e3:.1f} ms"]
+        cells += [f"{k} {t[k][r] * 1e3:.1f} ms (x{result['ratios'][k][r]:.2f})" for k in kinds[1:]]
+        print(f"  round {r + 1}: " + " | ".join(cells))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
