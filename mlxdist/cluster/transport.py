@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -566,11 +567,14 @@ def auto_with_graph_sums() -> str:
     """What `mlxdist.mlx.init(backend="auto")` means: mpi4py for everything on the host (what
     `auto` measured fastest), plus an MLX group for the in-graph sums of a compiled step: MLX's
     mpi backend where it can load Open MPI (the ranks' own library, `MLX_MPI_LIBNAME`), else
-    its ring (TCP, anywhere). Decided before MPI starts: the mpi backend must start it."""
+    its ring (TCP, anywhere). Decided before MPI starts: the mpi backend must start it, so a
+    process whose mpi4py already did (the script imported `mpi4py.MPI` first) takes the ring."""
     from .world import default_mpi_library, launched_by_mpirun
 
     if not launched_by_mpirun():
         return "mpi4py+mlx-mpi"  # one rank: nothing is sent, the name only says what can be traced
+    if "mpi4py.MPI" in sys.modules:  # MPI_Init twice aborts Open MPI (PLATFORM_NOTES)
+        return "mpi4py+mlx-ring"
     os.environ["MLX_MPI_LIBNAME"] = default_mpi_library()
     import mlx.core as mx
 
