@@ -90,6 +90,21 @@ def test_a_compiled_step_on_mlx_ring_keeps_3_plus_5_equal_8(tmp_path):
     assert _worst(tmp_path / "one.npz", tmp_path / "two.npz") < 1e-5
 
 
+@pytest.mark.cluster
+def test_a_script_that_started_mpi4py_first_still_sums_in_the_graph_over_mlx_ring():
+    """MLX's mpi backend cannot start MPI a second time: `auto` takes MLX's ring there."""
+    code = ("from mpi4py import MPI; from functools import partial; import mlx.core as mx; "
+            "import mlxdist.mlx as md; i = md.init(); n = 3 + 2 * i.rank; "
+            "f = mx.compile(lambda g: md.average_gradients({'w': g}, count=n)['w']); "
+            "out = f(mx.full((4,), float(i.rank + 1))); mx.eval(out); "
+            "print(i.rank, md._SYNC['backend'], out.tolist())")
+    r = subprocess.run([*_mpirun(2, []), sys.executable, "-c", code], capture_output=True, text=True, env=env(),
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # (3 * 1 + 5 * 2) / 8: each rank's mean gradient weighed by its count
+    assert sorted(r.stdout.splitlines()) == [f"{k} mpi4py+mlx-ring [1.625, 1.625, 1.625, 1.625]" for k in (0, 1)]
+
+
 def test_a_compiled_step_on_the_mpi4py_backend_is_refused_in_one_line_on_one_process(tmp_path):
     """mpi4py sums on the host, which a traced step cannot reach: the first call says so and
     how to fix it, on one process too (so a script tried alone fails as it would on N)."""
