@@ -2,21 +2,33 @@
 
     md.init()
     md.broadcast(model, optimizer)                     # rank 0's parameters and optimizer state
-    loss_and_grad = nn.value_and_grad(model, loss_fn)  # loss_fn: a mean over the batch
-    for x, y in my_batches(md.shares(64)[md.info().rank]):
-        loss, grads = loss_and_grad(model, x, y)
-        grads = md.average_gradients(grads, count=len(x))   # weighed by samples, over ranks
+    sampler = md.DistributedSampler(len(data), global_batch=64)   # this rank's rows of each batch
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)  # compiled or not, the same lines
+    def step(x, y):
+        loss, grads = nn.value_and_grad(model, loss_fn)(model, x, y)   # loss_fn: a mean over the batch
+        grads = md.average_gradients(grads, count=x.shape[0])          # weighed by samples, over ranks
         optimizer.update(model, grads)
+        return loss
+
+    for idx in sampler:
+        step(mx.array(data_x[idx]), mx.array(data_y[idx]))
+        mx.eval(state)
         if md.should_stop():
             break
 
 `mlx.nn.average_gradients` averages per rank, so a MacBook's 3 samples would weigh like a
 Studio's 5; this sums over ranks and divides by the cluster's units (3+5 == 8), over any
-backend mlxdist has (`mpi4py` ring by default; `mlx-mpi`, `mlx-ring`, `mlx-jaccl`).
+backend mlxdist has. The default (`auto`) sums on the host with mpi4py, as the trainer does,
+and inside a compiled step with MLX's own collectives (graph ops: MLX's mpi backend, else
+its ring); `mlx-mpi`, `mlx-ring`, `mlx-jaccl` sum with MLX's alone, `mpi4py` on the host alone
+(then a compiled step is refused with a line saying so).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,25 +52,54 @@ _SYNC: dict[str, Any] = {}
 def init(config: str | Path | Config | None = None, backend: str = "auto", stall_timeout: float | None = None,
          metrics_port: int | None = None) -> Info:
     """Join the job mpirun started (one rank without mpirun). `backend`: the gradient
-    transport (`dist.backend`'s choices); `config`: a YAML whose `nodes:` size `shares`."""
-    from .cluster.transport import make_transport
+    transport (`dist.backend`'s choices); `auto` sums on the host with mpi4py and, inside
+    `mx.compile`, with MLX's collectives (`mpi4py+mlx-mpi`, else `mpi4py+mlx-ring`);
+    `config`: a YAML whose `nodes:` size `shares`."""
+    from .cluster.transport import auto_with_graph_sums, make_transport
     from .sync.grad import GradSync
 
-    chosen = resolve_backend(backend)
+    if "grad" in _SYNC:
+        return info()
+    chosen = auto_with_graph_sums() if backend == "auto" else resolve_backend(backend)
     s = _session.start("mlx", config, chosen, stall_timeout, metrics_port)
     s.device = str(mx.default_device())
-    if "grad" not in _SYNC:
-        _SYNC["grad"] = GradSync(make_transport(s.world, chosen))
+    transport = make_transport(s.world, chosen)
+    # Two layouts: the host sum's gradients, and the in-graph sum's with the count beside them.
+    _SYNC.update(grad=GradSync(transport), graph=GradSync(transport), backend=chosen)
     return info()
 
 
 def info() -> Info:
+    """This process's `rank` and `size` in the job, `local_rank` (its index on its host),
+    `host` and MLX's default `device`. Each rank trains on its own rows of every global batch:
+    `DistributedSampler` hands them out, `shares(global_batch)` says only how many."""
     return _session.info(_NAME)
 
 
 def shares(global_batch: int) -> list[int]:
-    """Every rank's samples of each global batch (from `nodes:`; equal without a config)."""
+    """Every rank's samples of each global batch (from `nodes:`; equal without a config).
+    Rank r's are rows sum(shares[:r]) to sum(shares[:r+1]) of the same global batch: only then
+    do the ranks together equal one process (`DistributedSampler` does this)."""
     return _session.current(_NAME).shares(global_batch)
+
+
+class DistributedSampler(_session.RankSampler):
+    """This rank's rows of every global batch, as `mlxdist.torch.DistributedSampler` (the same
+    stream: fixed by (seed, position), whatever the split or the number of ranks). Iterating
+    gives one numpy index array per global batch of the epoch (`set_epoch(e)`; `start_step`
+    continues a resumed run); `indices(step)` gives any step's, for a loop that counts steps."""
+
+    def __init__(self, n_samples: int, global_batch: int, seed: int = 0, start_step: int = 0):
+        s = _session.current(_NAME)
+        super().__init__(n_samples, global_batch, s.shares(global_batch), s.rank, seed, start_step,
+                         f"{_NAME}.DistributedSampler")
+
+    def __len__(self) -> int:
+        return len(self.epoch_steps())
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for step in self.epoch_steps():
+            yield self.indices(step)
 
 
 def should_stop() -> bool:
@@ -66,15 +107,64 @@ def should_stop() -> bool:
     return _session.should_stop(_session.current(_NAME))
 
 
-def average_gradients(grads: Any, count: int, reduction: str = "mean") -> Any:
+def average_gradients(grads: Any, count: int | mx.array, reduction: str = "mean") -> Any:
     """The gradient tree summed over ranks and divided by the cluster's units. `count`: this
     rank's units; `reduction`: whether the loss was their mean (weighed by `count`) or sum.
-    With no unit anywhere the gradients come back as zeros and a line says so."""
+    With no unit anywhere the gradients come back as zeros and a line says so (inside
+    `mx.compile` the zeros only: the line needs the host).
+
+    Inside `mx.compile` (mlx-lm's and mlx-examples' compiled steps) the sums, the count's too,
+    are nodes of MLX's graph; out of it, the sum runs as the trainer's does."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"{_NAME}.average_gradients: reduction '{reduction}' is not 'mean' or 'sum'")
     s = _session.current(_NAME)
     flat = tree_flatten(grads)
     arrays = [g * count if reduction == "mean" else g for _, g in flat]
+    sync = _SYNC["graph"]
+    if s.size == 1 and sync.transport.graph_sum:
+        in_graph = isinstance(count, mx.array)  # nothing to sum: the host path is lazy arithmetic too
+    else:  # every call on N ranks (the host sum evaluates them anyway); the first alone on one
+        in_graph = _traced(arrays) if s.size > 1 or not _SYNC.get("probed") else False
+        _SYNC["probed"] = True
+    if in_graph:
+        if not sync.transport.graph_sum:
+            raise _session.ConfigError(
+                f"{_NAME}.average_gradients: called inside mx.compile (or vmap), where the "
+                f"{_SYNC['backend']} backend cannot sum (it sums on the host, outside MLX's graph): "
+                f"use md.init(backend='auto') or 'mlx-mpi'/'mlx-ring', or call it outside the compiled function")
+        return _average_in_graph(flat, arrays, count, sync)
+    return _average_on_host(s, flat, arrays, count)
+
+
+# The line MLX 0.32 raises when asked to evaluate a tracer (mlx/transforms.cpp, eval_impl).
+_TRACING = "[eval] Attempting to eval an array during function transformations"
+
+
+def _traced(arrays: list[mx.array]) -> bool:
+    """Whether `arrays` are tracers of `mx.compile` or `mx.vmap`. MLX has no call that says so;
+    its eval refuses a tracer while walking the graph, before anything is scheduled or run (the
+    walk only detaches arrays already evaluated, as every eval does), so the refusal changes
+    nothing. Out of a trace the eval is the one the host-side sum makes anyway."""
+    try:
+        mx.eval(arrays)
+    except ValueError as e:
+        if _TRACING in str(e):
+            return True
+        raise
+    return False
+
+
+def _average_in_graph(flat: list, arrays: list[mx.array], count: int | mx.array, sync: Any) -> Any:
+    """The sum and the count's total in one in-graph exchange (the count rides in the last
+    bucket); a total of 0 gives zeros, as on the host."""
+    n = (count if isinstance(count, mx.array) else mx.array(count)).astype(mx.float32).reshape(1)
+    *summed, total = sync.all_sum_in_graph([*arrays, n])
+    total = total.reshape(())
+    return tree_unflatten([(name, mx.where(total > 0, a / mx.maximum(total, 1), 0))
+                           for (name, _), a in zip(flat, summed, strict=True)])
+
+
+def _average_on_host(s: _session.Session, flat: list, arrays: list[mx.array], count: int) -> Any:
     if s.size > 1:
         arrays, _ = _SYNC["grad"].all_sum(arrays)
         total = int(s.world.allreduce_sum([float(count)])[0])
@@ -161,5 +251,5 @@ def broadcast_object(obj: Any, root: int = 0) -> Any:
     return _session.broadcast_object(_NAME, obj, root)
 
 
-__all__ = ["Info", "all_gather", "all_reduce", "average_gradients", "broadcast", "broadcast_object", "info", "init",
+__all__ = ["DistributedSampler", "Info", "all_gather", "all_reduce", "average_gradients", "broadcast", "broadcast_object", "info", "init",
            "load_checkpoint", "save_checkpoint", "shares", "should_stop"]

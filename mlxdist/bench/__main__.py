@@ -23,6 +23,7 @@ BENCHMARKS = {
     "shard": ("shard", "main", False, "sharded data parallel (ZeRO-1/2) vs data parallel: memory per rank, step time"),
     "optim": ("optim", "main", False, "the torch engine's AdamW (mlxdist.optim) vs torch.optim.AdamW, one step"),
     "wire": ("wire", "main", False, "data parallel's int8 gradient wire (error feedback) vs fp32: step time, loss"),
+    "compiled": ("compiled", "main", False, "your MLX loop: the step compiled with its gradient sum inside vs uncompiled"),
     "checkpoint-io": ("checkpoint_io", "main", False, "checkpoint write/read: plain safetensors vs zstd"),
 }
 

@@ -17,6 +17,12 @@ One implementation per `dist.backend`:
 `auto` picks mpi4py: with the ring it measured fastest on loopback and between hosts on
 shaped links (`python -m mlxdist.bench allreduce`; docs/performance.md, "Choosing a backend").
 
+In-graph sums (`graph_sum`, `all_sum_in_graph`): a sum that is a node of MLX's lazy graph,
+so it may sit inside `mx.compile` (mlx-lm and mlx-examples compile their whole step). MLX's
+collectives are graph ops; mpi4py's run on the host and cannot be traced. `mpi4py+mlx-mpi`
+and `mpi4py+mlx-ring` (what `mlxdist.mlx.init()` picks by default) keep every host-side
+collective on mpi4py, as `auto`, and add an MLX group for the in-graph sums alone.
+
 Buffers are flat numpy arrays: float32, uint16 (bfloat16 bit patterns, summed as bfloat16),
 float16, or uint8 payloads (`all_gather_bytes`). What goes on the wire is `codec.py`'s choice.
 The MLX engine's gradient sum keeps MLX arrays (`all_sum_arrays`), so an mlx-* backend makes
@@ -29,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -62,6 +69,12 @@ class Transport:
     # Whether large arrays go out as they are, without GradSync packing them first: a pack is
     # a full copy of the gradients, which the mpi4py ring does not need.
     direct_min_bytes: int | None = None
+    graph_sum = True  # whether `all_sum_in_graph` works (MLX's collectives; not mpi4py's)
+
+    def __init__(self, graph_sum: bool = True):
+        # One rank stands in for a backend: it refuses an in-graph sum where that backend
+        # would (mpi4py), so a compiled step that runs alone also runs on N ranks.
+        self.graph_sum = graph_sum
 
     def watch(self, what: str, patience: float = 1.0) -> AbstractContextManager:
         """Names a blocking wait to the stall watchdog (`World.watch`); a channel's: nothing."""
@@ -78,6 +91,13 @@ class Transport:
 
     def all_sum_arrays(self, arrays: list[mx.array]) -> list[mx.array]:
         """`all_sum` of MLX arrays (the MLX engine's gradient buckets)."""
+        return arrays
+
+    def all_sum_in_graph(self, arrays: list[mx.array]) -> list[mx.array]:
+        """The sum over ranks as lazy MLX graph nodes, evaluated by the caller's `mx.eval` on
+        every rank: legal inside `mx.compile`. Only where `graph_sum` is true."""
+        if not self.graph_sum:
+            raise RuntimeError(f"the {self.name} transport has no in-graph sum (graph_sum is false)")
         return arrays
 
     def reduce_scatter(self, srcs: list[np.ndarray | None], owners: list[Ranges], out: np.ndarray,
@@ -135,7 +155,12 @@ class MpiTransport(Transport):
     direct_min_bytes = RING_MIN_BYTES
 
     def __init__(self, world: World, comm: Any = None, *, watch: bool = True, multi_host: bool | None = None,
-                 pipelined: bool = False):
+                 pipelined: bool = False, graph: tuple[Any, str] | None = None):
+        # graph: (an mx.distributed group, its backend's name) for the in-graph sums alone
+        self.graph_group = graph[0] if graph else None
+        self.graph_sum = graph is not None
+        if graph:
+            self.name = f"mpi4py+{graph[1]}"
         self.world, self._owns = world, comm is not None
         self.comm = comm if comm is not None else world.comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -198,6 +223,11 @@ class MpiTransport(Transport):
         mx.eval(arrays)
         outs = self.all_sum([_to_numpy(a) for a in arrays], reuse=True)  # mx.array copies them out
         return [_from_numpy(b, a) for a, b in zip(arrays, outs, strict=True)]
+
+    def all_sum_in_graph(self, arrays: list[mx.array]) -> list[mx.array]:
+        if self.graph_group is None:
+            return super().all_sum_in_graph(arrays)
+        return _graph_all_sum(arrays, self.graph_group)
 
     def reduce_scatter(self, srcs: list[np.ndarray | None], owners: list[Ranges], out: np.ndarray,
                        what: str = "gradient reduce-scatter", *, consume: bool = False,
@@ -342,6 +372,13 @@ def _from_numpy(b: np.ndarray, like: mx.array) -> mx.array:
     return out.reshape(like.shape)
 
 
+def _graph_all_sum(arrays: list[mx.array], group: Any) -> list[mx.array]:
+    """MLX's all_sum of each array, left lazy: the one place a sum joins MLX's graph."""
+    import mlx.core as mx
+
+    return [mx.distributed.all_sum(a, group=group) for a in arrays]
+
+
 def _to_mx(b: np.ndarray) -> mx.array:
     """A flat wire buffer as an MLX array MLX sums right (uint16 bits as bfloat16)."""
     import mlx.core as mx
@@ -358,6 +395,8 @@ def _back(a: mx.array) -> np.ndarray:
 
 class MlxTransport(Transport):
     """mx.distributed's collectives (mpi, ring or jaccl backend), composed where MLX has none."""
+
+    graph_sum = True
 
     def __init__(self, world: World, group: Any, name: str):
         self.world, self.group, self.name = world, group, name
@@ -382,9 +421,10 @@ class MlxTransport(Transport):
         return f"{self.name} sum_scatter" if self.sum_scatter else f"{self.name} all_sum (each rank keeps its ranges)"
 
     def all_sum_arrays(self, arrays: list[mx.array]) -> list[mx.array]:
-        import mlx.core as mx
+        return self._run("gradient all-reduce", self.all_sum_in_graph(arrays))
 
-        return self._run("gradient all-reduce", [mx.distributed.all_sum(a, group=self.group) for a in arrays])
+    def all_sum_in_graph(self, arrays: list[mx.array]) -> list[mx.array]:
+        return _graph_all_sum(arrays, self.group)
 
     def all_sum(self, bufs: list[np.ndarray], what: str = "gradient all-reduce", *, reuse: bool = False,
                 identical: bool = False) -> list[np.ndarray]:
@@ -518,21 +558,54 @@ def _ring_group(world: World, connections: int):
     return group
 
 
+def sums_in_graph(backend: str) -> bool:
+    """Whether `backend` (resolved) can sum inside MLX's graph: every one but plain mpi4py."""
+    return backend != "mpi4py"
+
+
+def auto_with_graph_sums() -> str:
+    """What `mlxdist.mlx.init(backend="auto")` means: mpi4py for everything on the host (what
+    `auto` measured fastest), plus an MLX group for the in-graph sums of a compiled step: MLX's
+    mpi backend where it can load Open MPI (the ranks' own library, `MLX_MPI_LIBNAME`), else
+    its ring (TCP, anywhere). Decided before MPI starts: the mpi backend must start it, so a
+    process whose mpi4py already did (the script imported `mpi4py.MPI` first) takes the ring."""
+    from .world import default_mpi_library, launched_by_mpirun
+
+    if not launched_by_mpirun():
+        return "mpi4py+mlx-mpi"  # one rank: nothing is sent, the name only says what can be traced
+    if "mpi4py.MPI" in sys.modules:  # MPI_Init twice aborts Open MPI (PLATFORM_NOTES)
+        return "mpi4py+mlx-ring"
+    os.environ["MLX_MPI_LIBNAME"] = default_mpi_library()
+    import mlx.core as mx
+
+    return "mpi4py+mlx-mpi" if mx.distributed.is_available(backend="mpi") else "mpi4py+mlx-ring"
+
+
 def make_transport(world: World, backend: str, ring_connections: int = 1) -> Transport:
     """The data plane of `dist.backend` (resolved: no `auto`) for this job; collective."""
     if world.size == 1:
-        return Transport()
+        return Transport(graph_sum=sums_in_graph(backend))
     if backend == "mpi4py":
         return MpiTransport(world)
+    if backend.startswith("mpi4py+"):
+        graph = backend.removeprefix("mpi4py+")
+        return MpiTransport(world, graph=(_mlx_group(world, graph, ring_connections), graph))
+    if backend in ("mlx-mpi", "mlx-ring", "mlx-jaccl"):
+        return MlxTransport(world, _mlx_group(world, backend, ring_connections), backend)
+    raise ValueError(f"dist.backend: unknown backend '{backend}'")
+
+
+def _mlx_group(world: World, backend: str, ring_connections: int) -> Any:
+    """The mx.distributed group of an mlx-* backend (the mpi one: MPI already started by
+    `init_world`, MLX first)."""
     import mlx.core as mx
 
     if backend == "mlx-mpi":
-        return MlxTransport(world, mx.distributed.init(strict=True, backend="mpi"), "mlx-mpi")
+        return mx.distributed.init(strict=True, backend="mpi")
     if backend == "mlx-ring":
-        return MlxTransport(world, _ring_group(world, ring_connections), "mlx-ring")
+        return _ring_group(world, ring_connections)
     if backend == "mlx-jaccl":
         from . import jaccl
 
-        group = jaccl.bootstrap(world, _my_address(world), os.environ.get("MLXDIST_MLX_HOSTFILE"))
-        return MlxTransport(world, group, "mlx-jaccl")
+        return jaccl.bootstrap(world, _my_address(world), os.environ.get("MLXDIST_MLX_HOSTFILE"))
     raise ValueError(f"dist.backend: unknown backend '{backend}'")

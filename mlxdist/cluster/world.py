@@ -373,7 +373,7 @@ def init_world(backend: str = "mpi4py") -> World:
     refuse_mlx_launch()
     if not launched_by_mpirun():
         return World()
-    if backend == "mlx-mpi":
+    if backend in ("mlx-mpi", "mpi4py+mlx-mpi"):  # MLX's MPI backend starts MPI, mpi4py joins
         os.environ["MLX_MPI_LIBNAME"] = default_mpi_library()
         import mlx.core as mx
 

@@ -32,6 +32,7 @@ class GradSync(Reducer):
         # The codec's name is MLX's dtype name: the cast is the encoding, the ring sums it.
         self.wire = getattr(mx, make_codec(wire_dtype, "dist.wire_dtype", summable=True).name)
         self._plan: list[list[int]] | None = None
+        self._layout: list[tuple] = []
 
     def _make_plan(self, arrays: list[mx.array]) -> list[list[int]]:
         direct = self.transport.direct_min_bytes
@@ -44,9 +45,8 @@ class GradSync(Reducer):
         return [[i] for i in alone] + [[rest[j] for j in b] for b in packed]
 
     def forget_layout(self) -> None:
-        """The next `all_sum` plans its buckets afresh: the buckets are planned once, for the
-        first gradient list, and a caller whose list changes (the all-reduce bench's sizes)
-        must say so."""
+        """The next `all_sum` plans its buckets afresh (a list of other sizes or dtypes than the
+        last one's is replanned anyway: a sum never cuts one layout by another's plan)."""
         self._plan = None
 
     def arm(self, engine) -> None:
@@ -55,16 +55,32 @@ class GradSync(Reducer):
     def all_sum(self, arrays: list[mx.array]) -> tuple[list[mx.array], SyncStats]:
         if self.transport.size == 1:
             return arrays, SyncStats()
-        if self._plan is None:
-            self._plan = self._make_plan(arrays)
-        flats = [arrays[b[0]].reshape(-1) if len(b) == 1 and arrays[b[0]].dtype == self.wire
-                 else mx.concatenate([arrays[i].reshape(-1) for i in b]).astype(self.wire)
-                 for b in self._plan]
+        flats = self._pack(arrays)
         mx.eval(flats)
         t0 = time.perf_counter()
         summed = self.transport.all_sum_arrays(flats)
         mx.eval(summed)
         stats = SyncStats(time.perf_counter() - t0, sum(f.nbytes for f in flats))
+        return self._unpack(summed, arrays), stats
+
+    def all_sum_in_graph(self, arrays: list[mx.array]) -> list[mx.array]:
+        """The same sum, in the same buckets, left as lazy graph nodes (no eval, no host): what
+        a step under `mx.compile` may hold. The transport must declare `graph_sum`."""
+        if self.transport.size == 1:
+            return arrays
+        return self._unpack(self.transport.all_sum_in_graph(self._pack(arrays)), arrays)
+
+    def _pack(self, arrays: list[mx.array]) -> list[mx.array]:
+        """The flat wire buckets (lazy): one array alone where the transport sends it as it is."""
+        layout = [(a.size, a.dtype) for a in arrays]
+        if self._plan is None or layout != self._layout:  # planned once per gradient list
+            self._plan, self._layout = self._make_plan(arrays), layout
+        return [arrays[b[0]].reshape(-1) if len(b) == 1 and arrays[b[0]].dtype == self.wire
+                else mx.concatenate([arrays[i].reshape(-1) for i in b]).astype(self.wire)
+                for b in self._plan]
+
+    def _unpack(self, summed: list[mx.array], arrays: list[mx.array]) -> list[mx.array]:
+        """The summed buckets cut back into fp32 arrays of `arrays`' shapes."""
         out: list[mx.array] = [None] * len(arrays)  # type: ignore[list-item]
         for bucket, flat in zip(self._plan, summed, strict=True):
             flat = flat.astype(mx.float32)
@@ -76,7 +92,7 @@ class GradSync(Reducer):
                 n = arrays[i].size
                 out[i] = flat[offset : offset + n].reshape(arrays[i].shape)
                 offset += n
-        return out, stats
+        return out
 
 
 __all__ = ["GradSync", "SyncStats", "Unreduced", "plan_buckets"]

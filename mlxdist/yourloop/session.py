@@ -216,6 +216,38 @@ def my_slice(shares: Sequence[int], rank: int) -> tuple[int, int]:
     return rank_slice(list(shares), rank)
 
 
+class RankSampler:
+    """This rank's rows of every global batch of a shuffled stream fixed by (seed, position):
+    global batch `step` is stream positions [step * global_batch, (step + 1) * global_batch),
+    and rank r takes its `shares[r]` rows from sum(shares[:r]) on, so the ranks together hold
+    exactly the rows one process would (3+5 == 8), whatever the split, and a resume at any step
+    gets the same rows. Each epoch is `n_samples // global_batch` global batches. Framework-free:
+    the samplers of `mlxdist.torch` and `mlxdist.mlx` are this one."""
+
+    def __init__(self, n_samples: int, global_batch: int, shares: Sequence[int], rank: int, seed: int = 0,
+                 start_step: int = 0, who: str = "DistributedSampler"):
+        self.n, self.global_batch, self.seed = int(n_samples), int(global_batch), int(seed)
+        self.steps = self.n // self.global_batch if self.global_batch > 0 else 0
+        if self.steps == 0:
+            raise ConfigError(f"{who}: {n_samples} samples make no global batch of {global_batch}; "
+                              "give a global batch between 1 and the number of samples")
+        self.begin, self.end = my_slice(shares, rank)
+        self.batch_size = self.end - self.begin
+        self.epoch, self.start_step = 0, int(start_step)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def indices(self, step: int) -> np.ndarray:
+        """This rank's dataset indices of global batch `step` (counted from the run's start,
+        across epochs)."""
+        return sample_order(self.n, self.seed, int(step) * self.global_batch + self.begin, self.batch_size)
+
+    def epoch_steps(self) -> range:
+        """The global batches of the current epoch still to run (from `start_step`)."""
+        return range(self.epoch * self.steps + self.start_step % self.steps, (self.epoch + 1) * self.steps)
+
+
 def save_checkpoint(module: str, run_dir: str | os.PathLike, step: int, model: dict[str, np.ndarray],
                     optimizer: dict[str, np.ndarray], state: dict[str, Any], keep_last: int,
                     tensors: dict[str, np.ndarray] | None = None) -> Path | None:

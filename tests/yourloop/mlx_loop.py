@@ -1,10 +1,13 @@
 """A plain MLX training loop on mlxdist (the lines marked md).
 
-    python mlx_loop.py OUT [--config C] [--steps N]
+    python mlx_loop.py OUT [--config C] [--steps N] [--compile] [--backend B]
+
+`--compile`: the step under `mx.compile` with the gradient sum inside it, as mlx-lm writes it.
 """
 
 import argparse
 import os
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,9 +21,11 @@ p.add_argument("out")
 p.add_argument("--config")
 p.add_argument("--steps", type=int, default=4)
 p.add_argument("--wide-on-rank1", action="store_true")
+p.add_argument("--compile", action="store_true")
+p.add_argument("--backend", default="auto")
 args = p.parse_args()
 
-info = md.init(args.config)                                                   # md
+info = md.init(args.config, backend=args.backend)                                                   # md
 mx.random.seed(1000 + info.rank)  # each rank its own initial weights: broadcast makes them rank 0's
 rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 8)).astype(np.float32)
@@ -38,12 +43,22 @@ def loss_fn(model, xb, yb):
 loss_and_grad = nn.value_and_grad(model, loss_fn)
 shares = md.shares(8)                                                         # md
 begin = sum(shares[: info.rank])
+state = [model.state, opt.state]
+
+
+def train_step(xb, yb):
+    loss, grads = loss_and_grad(model, xb, yb)
+    grads = md.average_gradients(grads, count=xb.shape[0])                    # md
+    opt.update(model, grads)
+    return loss
+
+
+if args.compile:
+    train_step = partial(mx.compile, inputs=state, outputs=state)(train_step)
 for step in range(args.steps):
     idx = np.random.default_rng(step).permutation(256)[:8][begin : begin + shares[info.rank]]
-    loss, grads = loss_and_grad(model, mx.array(x[idx]), mx.array(y[idx]))
-    grads = md.average_gradients(grads, count=len(idx))                       # md
-    opt.update(model, grads)
-    mx.eval(model.parameters(), opt.state)
+    train_step(mx.array(x[idx]), mx.array(y[idx]))
+    mx.eval(state)
     if md.should_stop():                                                      # md
         break
 
