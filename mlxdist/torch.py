@@ -516,33 +516,23 @@ class DistributedOptimizer:
             self._put_back_rows()
 
 
-class DistributedSampler(torch.utils.data.Sampler):
+class DistributedSampler(_session.RankSampler, torch.utils.data.Sampler):
     """This rank's share of every global batch of a shuffled stream that depends only on
     (seed, position): `DataLoader(data, batch_size=sampler.batch_size, sampler=sampler)`. Each
     epoch is `len(data) // global_batch` global batches; `set_epoch(e)` as with torch's, and
-    `start_step` continues a resumed run where it stopped."""
+    `start_step` continues a resumed run where it stopped. The same rows as `mlxdist.mlx`'s."""
 
     def __init__(self, n_samples: int, global_batch: int, seed: int = 0, start_step: int = 0):
         s = _session.current(_NAME)
-        self.n, self.global_batch, self.seed = int(n_samples), int(global_batch), int(seed)
-        self.steps = self.n // self.global_batch
-        if self.steps == 0:
-            raise ValueError(f"{_NAME}.DistributedSampler: {n_samples} samples make no global batch of {global_batch}")
-        self.begin, self.end = _session.my_slice(s.shares(global_batch), s.rank)
-        self.batch_size = self.end - self.begin
-        self.epoch, self.start_step = 0, int(start_step)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        super().__init__(n_samples, global_batch, s.shares(global_batch), s.rank, seed, start_step,
+                         f"{_NAME}.DistributedSampler")
 
     def __len__(self) -> int:
-        return (self.steps - self.start_step % self.steps) * self.batch_size
+        return len(self.epoch_steps()) * self.batch_size
 
     def __iter__(self):
-        first = self.epoch * self.steps + self.start_step % self.steps
-        for step in range(first, (self.epoch + 1) * self.steps):
-            yield from _session.sample_order(self.n, self.seed, step * self.global_batch + self.begin,
-                                             self.batch_size).tolist()
+        for step in self.epoch_steps():
+            yield from self.indices(step).tolist()
 
 
 class DistributedIterable:
