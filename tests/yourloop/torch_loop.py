@@ -1,6 +1,8 @@
 """A plain PyTorch training loop, written as its author would, on mlxdist (the lines marked md).
 
-    python torch_loop.py OUT [--config C] [--mode backward|step|accum] [--steps N]
+    python torch_loop.py OUT [--config C] [--mode backward|step|accum|adamw] [--steps N]
+
+`adamw`: `backward` with AdamW at lr 1e-3 instead of SGD with momentum.
 
 `--mode backward,step,accum` trains each in turn, from scratch (a test's three runs in one
 launch), each mode's weights in OUT-MODE.npz.
@@ -41,7 +43,9 @@ for mode in args.mode.split(","):  # one mode; or several, each from scratch, in
     out = args.out if mode == args.mode else f"{args.out}-{mode}.npz"
     torch.manual_seed(1000 + info.rank if args.seed_by_rank else 0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    opt = md.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)  # md
+    base = (torch.optim.AdamW(model.parameters(), lr=1e-3) if mode == "adamw"
+            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt = md.DistributedOptimizer(base, model)                                            # md
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     md.broadcast(model, opt)                                                              # md
     resumed = md.load_checkpoint(args.run_dir, model, opt) if args.run_dir else None    # md
@@ -58,7 +62,7 @@ for mode in args.mode.split(","):  # one mode; or several, each from scratch, in
         if args.started and info.rank == 0:
             open(args.started, "w").close()
         opt.zero_grad()
-        if mode == "backward":
+        if mode in ("backward", "adamw"):
             opt.backward(F.cross_entropy(model(xb), yb), count=0 if args.zero_count else len(xb))      # md
             opt.step()
         elif mode == "step":
