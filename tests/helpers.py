@@ -27,6 +27,25 @@ def env() -> dict:
     return e
 
 
+def with_mlxdist_lines(script: Path, dest: Path) -> Path:
+    """A vendored public script with its mlxdist diff (`NAME.mlxdist.diff` beside it, the lines
+    a user changes) applied, written to dest/NAME: the repository keeps the script as published
+    and the diff, not a second copy."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / script.name
+    out.write_bytes(script.read_bytes())
+    diff = script.with_name(f"{script.stem}.mlxdist.diff")
+    r = subprocess.run(["git", "apply", str(diff)], cwd=dest, capture_output=True, text=True)
+    assert r.returncode == 0, f"{diff} does not apply to {script}: {r.stderr}"
+    return out
+
+
+def mlxdist_diff_lines(script: Path) -> list[str]:
+    """The added and removed lines of a vendored script's mlxdist diff."""
+    text = script.with_name(f"{script.stem}.mlxdist.diff").read_text().splitlines()
+    return [ln for ln in text if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+
+
 def mpirun_path() -> str:
     from mlxdist.cluster.world import find_mpirun
 

@@ -8,7 +8,6 @@ resuming from a checkpoint only rank 0 has sends it to rank 1."""
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import env, mpirun_path
+from helpers import env, mlxdist_diff_lines, mpirun_path, with_mlxdist_lines
 
 for _name in ("torch", "transformers", "peft", "accelerate"):
     pytest.importorskip(_name, reason="needs the hf extra (and accelerate): pip install -e '.[hf]' accelerate")
@@ -136,11 +135,11 @@ def _clm_inputs(base: Path) -> None:
     (base / "train.txt").write_text("".join(" ".join(rng.choice(words, 7)) + "\n" for _ in range(52)))
 
 
-def _clm(base: Path, name: str, script: str, np_: int = 0) -> str:
+def _clm(base: Path, name: str, script: Path, np_: int = 0) -> str:
     """The script in base/name (1 process), or base/name/rank0 and rank1 (2 ranks, 3:5)."""
     e = env() | CLM_ENV
     e["PYTHONPATH"] = f"{e['PYTHONPATH']}{os.pathsep}{PUBLIC / 'stubs'}"  # `evaluate`: imported, not used
-    app = [sys.executable, str(PUBLIC / script), "--config_name", str(base / "model"), "--tokenizer_name",
+    app = [sys.executable, str(script), "--config_name", str(base / "model"), "--tokenizer_name",
            str(base / "model"), "--train_file", str(base / "train.txt"), *CLM]
     if not np_:
         (base / name).mkdir()
@@ -165,8 +164,9 @@ def clm(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     base = tmp_path_factory.mktemp("run_clm")
     _clm_inputs(base)
     (base / "split.yaml").write_text(SPLIT)
-    logs = {"plain": _clm(base, "plain", "run_clm.py"), "one": _clm(base, "one", "run_clm_mlxdist.py"),
-            "two": _clm(base, "two", "run_clm_mlxdist.py", np_=2)}
+    ours = with_mlxdist_lines(PUBLIC / "run_clm.py", base / "patched")
+    logs = {"plain": _clm(base, "plain", PUBLIC / "run_clm.py"), "one": _clm(base, "one", ours),
+            "two": _clm(base, "two", ours, np_=2)}
     return base, logs
 
 
@@ -192,10 +192,7 @@ def test_run_clm_with_one_added_line_on_one_process_is_plain_transformers(clm):
     rebinds the name, and nothing else changes. The Trainer's own DataLoader is kept (its seeded
     shuffle, the last batch of 5): the same 6 steps, weights and logged losses as
     transformers.Trainer."""
-    published = (PUBLIC / "run_clm.py").read_text().splitlines()
-    ours = (PUBLIC / "run_clm_mlxdist.py").read_text().splitlines()
-    changed = [d for d in difflib.unified_diff(published, ours, lineterm="", n=0)
-               if d[:1] in "+-" and not d.startswith(("+++", "---"))]
+    changed = mlxdist_diff_lines(PUBLIC / "run_clm.py")
     assert changed == ["+from mlxdist.hf import Trainer  # mlxdist: after the import above, it rebinds `Trainer`"]
     base, logs = clm
     worst = _clm_compare(base / "plain" / "out", base / "one" / "out")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import env, mpirun_path
+from helpers import env, mpirun_path, with_mlxdist_lines
 
 HERE = Path(__file__).parent / "yourloop"
 SPLIT = "nodes:\n  rank0: {batch_size: 3}\n  rank1: {batch_size: 5}\nmetrics: {port: 0}\n"
@@ -161,7 +161,7 @@ def _wikitext(folder: Path) -> None:
 def _public(folder: Path, *runs: str, np_: int = 0, config: Path | None = None) -> None:
     """run.py --no-dropout SCRIPT:OUT ... in `folder`, on one process or under mpirun."""
     cmd = [sys.executable, str(PUBLIC / "run.py"), "--no-dropout",
-           *[f"{PUBLIC / script}:{folder / out}" for script, out in (r.split(":") for r in runs)]]
+           *[f"{script}:{folder / out}" for script, out in (r.rsplit(":", 1) for r in runs)]]
     extra = PUBLIC_ENV | ({"MLXDIST_CONFIG": str(config)} if config else {})
     if np_:
         cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", str(np_), "-x", "PYTHONPATH",
@@ -181,8 +181,9 @@ def public(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("lightning_public")
     _wikitext(base)
     (base / "split.yaml").write_text(SPLIT)
-    _public(base, "transformer.py:plain", "transformer_mlxdist.py:one")
-    _public(base, "transformer_mlxdist.py:two", np_=2, config=base / "split.yaml")
+    ours = with_mlxdist_lines(PUBLIC / "transformer.py", base / "patched")
+    _public(base, f"{PUBLIC / 'transformer.py'}:plain", f"{ours}:one")
+    _public(base, f"{ours}:two", np_=2, config=base / "split.yaml")
     return base
 
 
