@@ -149,7 +149,7 @@ class ShardedDataParallel(DataParallel):
         self.optimizer = self.ops.optimizer
         self.transport = transport
         self._plan_chunks(world.size > 1 and self.level != "weights")
-        self.state = [self._zeros(a, b) for a, b in self.chunks]  # per chunk: this range of each state array
+        self.state = [self._zero_state(a, b) for a, b in self.chunks]  # per chunk: this range of each state array
         self.t = 0
         self._full: np.ndarray | None = None  # the all-gather's buffer, as data parallel's reducer keeps its own
         self.wire = plan.wire_dtype
@@ -164,7 +164,11 @@ class ShardedDataParallel(DataParallel):
         return now
 
     # -- layout -----------------------------------------------------------------------
-    def _zeros(self, a: int, b: int) -> tuple:
+    def _zeros(self):
+        return self.ops.array(np.zeros(self.hi - self.lo, np.float32))
+
+    def _zero_state(self, a: int, b: int) -> tuple:
+        """Fresh optimizer state for elements [a, b) of this rank's range (one chunk)."""
         return tuple(self.ops.array(np.zeros(b - a, np.float32)) for _ in self.optimizer.state_names)
 
     def _plan_chunks(self, pipelined: bool) -> None:
@@ -408,7 +412,7 @@ class ShardedDataParallel(DataParallel):
         state, count = engine.get_optimizer_state()  # count: the checkpoint's, or 0
         keys = self.optimizer.state_names
         if any(f"{k}.{n}" not in state for k in keys for n in self.names):
-            self.state = [self._zeros(a, b) for a, b in self.chunks]
+            self.state = [self._zero_state(a, b) for a, b in self.chunks]
         else:
             mine = [self._slice({n: state[f"{k}.{n}"] for n in self.names}) for k in keys]
             self.state = [tuple(self.ops.array(x[a:b]) for x in mine) for a, b in self.chunks]
