@@ -18,7 +18,13 @@ holds more of the optimizer state than a 16 GB MacBook. A step:
    clips by `train.grad_clip` and applies the engine's optimizer (`mlxdist.optim`: the
    formula data parallel runs, decay only on >= 2-D parameters) to its range, with its state
    (fp32) for that range only;
-4. the updated ranges are all-gathered and every rank sets the whole model.
+4. the updated ranges are all-gathered and every rank sets the whole model. The update runs in
+   `dist.bucket_mb` chunks, and each chunk's new weights leave on a background channel while
+   the next chunk is computed (`_plan_chunks`), so the link is not idle during the update.
+
+Each step records its seconds by phase (flatten, reduce_scatter, scalars, norm, update,
+all_gather, unpack) in a `shard_phases` event, which `python -m mlxdist.bench shard` prints
+beside data parallel's compute and all-reduce.
 
 One sharding for both engines: each lends a few operations (`engine.shard_ops()`,
 `engine.base.ShardOps`) that keep the math on its own device (MLX, or torch on MPS/CUDA/CPU),
