@@ -389,9 +389,10 @@ class ShardedDataParallel(DataParallel):
         """This step's seconds by phase (flatten, reduce_scatter, scalars, norm, update,
         all_gather, unpack) as a `shard_phases` event: where a sharded step's time goes beside
         data parallel's compute_s and sync_s (`python -m mlxdist.bench shard` prints them)."""
-        if not self.phases:
+        phases, self.phases = self.phases, {}  # ZeRO-3's step, its own, records some of them too
+        if not phases:
             return []
-        return [Decision("shard_phases", None, {"step": step, **{k: round(v, 6) for k, v in self.phases.items()}})]
+        return [Decision("shard_phases", None, {"step": step, **{k: round(v, 6) for k, v in phases.items()}})]
 
     def before_last_backward(self, engine: Engine) -> None:
         """The exchange starts after backward: MLX builds the whole backward graph lazily, and
