@@ -71,8 +71,10 @@ torch: no optimizer state), except around a save (the writers), a restore and a 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +112,35 @@ def check_shardable(cfg: Config, world: World, engine: Engine, shard: str | None
 def bucket_counts(bounds: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
     """Elements of [lo, hi) each rank owns."""
     return [max(0, min(b, hi) - max(a, lo)) for a, b in bounds]
+
+
+class _Sender:
+    """One daemon thread running jobs (the chunks' all-gathers) in order. A daemon: a peer
+    that died mid-exchange must not keep this process from exiting."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="weight-all-gather").start()
+
+    def _run(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+                done.put(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the step's thread, which raises it
+                done.put(e)
+
+    def submit(self, job) -> queue.Queue:
+        """A queue that gets None when `job` is done, or what it raised."""
+        done: queue.Queue = queue.Queue(1)
+        self._jobs.put((job, done))
+        return done
+
+    def close(self) -> None:
+        self._jobs.put((None, None))
 
 
 class ShardedDataParallel(DataParallel):
@@ -197,10 +228,10 @@ class ShardedDataParallel(DataParallel):
         self.gather_owners = [[(a + min(k * size, c), a + min((k + 1) * size, c)) for (a, _), c
                                in zip(self.bounds, self.counts, strict=True)] for k in range(rounds)]
         self._channel: Transport | None = None
-        self._gatherer: ThreadPoolExecutor | None = None
+        self._gatherer: _Sender | None = None
         if pipelined:
             self._channel = self.transport.channel()
-            self._gatherer = ThreadPoolExecutor(1, thread_name_prefix="weight-all-gather")
+            self._gatherer = _Sender()
 
     def _mine(self, lo: int | None = None, hi: int | None = None):
         """(index, name, start, end) of each parameter's part within [lo, hi) (default: this rank's
@@ -359,12 +390,14 @@ class ShardedDataParallel(DataParallel):
                 del p
                 self._lap("update", t0)
             t_first = t_first or time.perf_counter()
-            sent.append(self._gatherer.submit(self._channel.all_gather, [full], [owners], what, bucket=self.bucket))
+            sent.append(self._gatherer.submit(partial(self._channel.all_gather, [full], [owners], what,
+                                                      bucket=self.bucket)))
         del w, g
         t0 = time.perf_counter()
         with self.transport.watch(what):
-            for f in sent:
-                f.result()
+            errors = [done.get() for done in sent]
+        if any(errors):
+            raise next(e for e in errors if e)
         t1 = self._lap("all_gather", t0)
         engine.set_weights(self._unflatten(full))
         self._lap("unpack", t1)
@@ -435,6 +468,6 @@ class ShardedDataParallel(DataParallel):
     def close(self) -> None:
         """The background all-gather's thread and channel (the transport is the run's)."""
         if self._gatherer is not None:
-            self._gatherer.shutdown()
+            self._gatherer.close()
             self._channel.close()
             self._gatherer = self._channel = None
