@@ -31,6 +31,10 @@ def test_smallest_run_reports_memory_time_and_the_no_fit_demo(tmp_path) -> None:
     for mode in (ddp, zero1):
         assert mode["step_s"] > 0 and math.isfinite(mode["step_ratio"])
         assert all(x["peak_bytes"] >= x["active_bytes"] > 0 for x in mode["ranks"])
+    # seconds a step by phase, per rank: ZeRO-1's own phases, data parallel's all-reduce
+    for phases in zero1["phases"]:
+        assert {"reduce_scatter", "update", "all_gather", "compute"} <= set(phases) and phases["rest"] > -0.01
+    assert all("all_reduce" in x for x in ddp["phases"])
     demo = res["no_fit"]
     assert demo["need_optimizer_bytes"] <= demo["budget_bytes"] < demo["need_none_bytes"]
     assert demo["auto_exit"] == 0 and demo["auto_mode"] == "optimizer" and demo["auto_steps"] == 3

@@ -270,6 +270,29 @@ def test_buckets_split_parameters_and_shards(tmp_path):
 
 
 @pytest.mark.cluster
+def test_chunked_update_resumes_and_reports_where_the_step_goes(tmp_path):
+    """ZeRO-1 in 0.01 MB chunks (rank 0 owns 4x: 236 chunks against 59, so the last
+    all-gathers carry rank 0's chunks only): its optimizer state, kept chunk by chunk, saves
+    as data parallel's moments and resumes from step 1 to the uninterrupted run's weights and
+    moments; every step reports its seconds by phase (`shard_phases`), which fit in the step."""
+    lm = [*FAST, "train.steps=2", "train.grad_clip=0.5", "dist.sync_weights_every=0", UNEQUAL,
+          "dist.shard=optimizer", "dist.bucket_mb=0.01"]
+    whole = tmp_path / "whole"
+    _ok(run_train([*lm, "checkpoint.every=1", f"train.out_dir={whole}"], np_=2))
+    _ok(run_train([*lm, f"train.out_dir={tmp_path / 'resumed'}",
+                   "--resume", str(whole / "checkpoints" / "step_00000001")], np_=2))
+    assert_same_weights(final_weights(whole), final_weights(tmp_path / "resumed"), atol=1e-6)
+    assert _max_diff(_checkpoint(whole, 2).optimizer, _checkpoint(tmp_path / "resumed", 2).optimizer) <= 1e-7
+    for rank in (0, 1):
+        steps = {e["step"]: e for e in _events(whole, "step", rank)}
+        phases = _events(whole, "shard_phases", rank)
+        assert [e["step"] for e in phases] == [1, 2]
+        for e in phases:
+            parts = [e[k] for k in ("flatten", "reduce_scatter", "norm", "update", "all_gather", "unpack")]
+            assert min(parts) >= 0 and sum(parts) <= steps[e["step"]]["step_s"] + 1e-3, (e, steps[e["step"]])
+
+
+@pytest.mark.cluster
 def test_bfloat16_on_the_wire_takes_the_ring_and_halves_the_gradient_bytes(tmp_path):
     """`dist.wire_dtype=bfloat16`: the reduce-scatter goes through the pipelined ring in bf16
     (MPI cannot sum bf16) in equal shards (`dist.shard_split=equal`, despite 0.8/0.2 memory

@@ -37,6 +37,7 @@ from .runs import REPO, check, finish, namespace_hosts, read_events, set_env
 MODES = ("none", "optimizer", "gradients", "weights")
 NAMES = {"none": "data parallel", "optimizer": "ZeRO-1", "gradients": "ZeRO-2", "weights": "ZeRO-3"}
 MB = 1e6
+PHASES = ("flatten", "reduce_scatter", "scalars", "norm", "update", "all_gather", "unpack")  # sharded.py's
 
 
 def _launch(n: int, args: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None,
@@ -65,6 +66,7 @@ def _read(run_dir: Path, n: int, skip: int) -> dict:
         shard = next((e for e in events if e["event"] == "shard"), None)
         ranks.append({"step_s": [e["step_s"] for e in kept], "loss": [e["loss"] for e in steps],
                       "sync_s": statistics.median(e.get("sync_s", 0.0) for e in kept),
+                      "phases": _phases(events, kept),
                       "sync_bytes": statistics.median(e.get("sync_bytes", 0) for e in kept),
                       "active": statistics.median(e["memory_active_bytes"] for e in kept),
                       "peak": max(e["memory_peak_bytes"] for e in kept),
@@ -72,6 +74,25 @@ def _read(run_dir: Path, n: int, skip: int) -> dict:
                       "mode": shard["mode"] if shard else "none"})
     shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint: GBs for a 100M model
     return {"ranks": ranks, "step_s": statistics.median(ranks[0]["step_s"])}
+
+
+def _phases(events: list[dict], kept: list[dict]) -> dict[str, float]:
+    """Median seconds a step by phase over the `kept` steps: compute (forward and backward),
+    the sharded strategy's own phases (its `shard_phases` events: flatten, reduce_scatter,
+    scalars, norm, update, all_gather, unpack) or data parallel's all-reduce (sync_s), and
+    the rest of the step (the update in data parallel, the loop's own work)."""
+    steps = {e["step"] for e in kept}
+    by_step = {e["step"]: e for e in events if e["event"] == "shard_phases" and e["step"] in steps}
+    out: dict[str, list[float]] = {}
+    for e in kept:
+        got = by_step.get(e["step"], {})
+        parts = {k: got[k] for k in PHASES if k in got}
+        parts = parts or {"all_reduce": e.get("sync_s", 0.0)}
+        parts = {"compute": e.get("compute_s", 0.0), **parts}
+        parts["rest"] = e["step_s"] - sum(parts.values())
+        for k, v in parts.items():
+            out.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def link_seconds(owned: list[float], rate: str) -> float:
@@ -231,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             e = result["modes"][mode]
             print(f"{NAMES[mode]}: exchange {e['sync_s']:.3f} s a step, the link's limit {e['link_limit_s']:.3f} s: "
                   f"{e['link_fraction']:.2f} of the link")
+    _print_phases(modes, runs, result, n)
     if demo:
         result["no_fit"] = demo
         print(f"doesn't fit: MLXDIST_MEMORY_LIMIT_BYTES={demo['limit_bytes']} (budget {demo['budget_bytes'] / MB:.0f} "
@@ -242,6 +264,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  dist.shard=none, same limit: exit {demo['none_exit']}, {demo['none_steps']} steps (the planner "
               f"warns and the run goes on); its memory lines: {demo['none_memory_lines'] or 'none'}")
     return finish("shard", result, t_start, args.json)
+
+
+def _print_phases(modes: list[str], runs: dict[str, list[dict]], result: dict, n: int) -> None:
+    """Seconds a step by phase, each the median over rounds of a run's median, per rank."""
+    print("seconds a step by phase (medians; data parallel's update is in 'rest'):")
+    for mode in modes:
+        for r in range(n):
+            names = list(runs[mode][0]["ranks"][r]["phases"])
+            med = {k: statistics.median(x["ranks"][r]["phases"].get(k, 0.0) for x in runs[mode]) for k in names}
+            result["modes"][mode].setdefault("phases", []).append(med)
+            print(f"  {NAMES[mode]:<14} rank {r}: " + ", ".join(f"{k} {v:.3f}" for k, v in med.items()))
 
 
 def _demo(args, common: list[str], n: int, tmp: Path, ddp: dict) -> dict:

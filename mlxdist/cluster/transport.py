@@ -284,7 +284,8 @@ class MpiTransport(Transport):
                 for lo in range(0, buf.size, bucket):
                     hi = min(buf.size, lo + bucket)
                     counts, displs = _part(ranges, lo, hi)
-                    self.comm.Allgatherv(MPI.IN_PLACE, [buf[lo:hi], (counts, displs)])
+                    if any(counts):  # a part of the buffer (ZeRO-1's chunk at a time) skips the rest
+                        self.comm.Allgatherv(MPI.IN_PLACE, [buf[lo:hi], (counts, displs)])
 
     def gather(self, mine: np.ndarray, ranges: Ranges, total: int, root: int, what: str = "gather", *,
                bucket: int = BUCKET_ELEMS) -> np.ndarray | None:

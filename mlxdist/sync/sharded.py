@@ -18,7 +18,13 @@ holds more of the optimizer state than a 16 GB MacBook. A step:
    clips by `train.grad_clip` and applies the engine's optimizer (`mlxdist.optim`: the
    formula data parallel runs, decay only on >= 2-D parameters) to its range, with its state
    (fp32) for that range only;
-4. the updated ranges are all-gathered and every rank sets the whole model.
+4. the updated ranges are all-gathered and every rank sets the whole model. The update runs in
+   `dist.bucket_mb` chunks, and each chunk's new weights leave on a background channel while
+   the next chunk is computed (`_plan_chunks`), so the link is not idle during the update.
+
+Each step records its seconds by phase (flatten, reduce_scatter, scalars, norm, update,
+all_gather, unpack) in a `shard_phases` event, which `python -m mlxdist.bench shard` prints
+beside data parallel's compute and all-reduce.
 
 One sharding for both engines: each lends a few operations (`engine.shard_ops()`,
 `engine.base.ShardOps`) that keep the math on its own device (MLX, or torch on MPS/CUDA/CPU),
@@ -65,7 +71,10 @@ torch: no optimizer state), except around a save (the writers), a restore and a 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +112,35 @@ def check_shardable(cfg: Config, world: World, engine: Engine, shard: str | None
 def bucket_counts(bounds: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
     """Elements of [lo, hi) each rank owns."""
     return [max(0, min(b, hi) - max(a, lo)) for a, b in bounds]
+
+
+class _Sender:
+    """One daemon thread running jobs (the chunks' all-gathers) in order. A daemon: a peer
+    that died mid-exchange must not keep this process from exiting."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="weight-all-gather").start()
+
+    def _run(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+                done.put(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the step's thread, which raises it
+                done.put(e)
+
+    def submit(self, job) -> queue.Queue:
+        """A queue that gets None when `job` is done, or what it raised."""
+        done: queue.Queue = queue.Queue(1)
+        self._jobs.put((job, done))
+        return done
+
+    def close(self) -> None:
+        self._jobs.put((None, None))
 
 
 class ShardedDataParallel(DataParallel):
@@ -146,17 +184,54 @@ class ShardedDataParallel(DataParallel):
         self.writes = world.allgather(world.rank == 0 or (cfg.checkpoint.on_every_host and world.local_rank == 0))
         self.pieces = tuple(Piece(i, a, b, self.offsets[i] + a - self.lo) for i, _, a, b in self._mine())
         self.optimizer = self.ops.optimizer
-        self.state = tuple(self._zeros() for _ in self.optimizer.state_names)  # this range of each
+        self.transport = transport
+        self._plan_chunks(world.size > 1 and self.level != "weights")
+        self.state = [self._zero_state(a, b) for a, b in self.chunks]  # per chunk: this range of each state array
         self.t = 0
         self._full: np.ndarray | None = None  # the all-gather's buffer, as data parallel's reducer keeps its own
-        self.transport = transport
         self.wire = plan.wire_dtype
         self.codec = make_codec(self.wire, "dist.wire_dtype", summable=True)
         self.ops.drop_moments(self.t)
+        self.phases: dict[str, float] = {}  # this step's seconds by phase: the `shard_phases` event
+
+    def _lap(self, phase: str, t0: float) -> float:
+        """Adds the seconds since `t0` to `phase`; returns now (the next phase's start)."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - t0
+        return now
 
     # -- layout -----------------------------------------------------------------------
     def _zeros(self):
         return self.ops.array(np.zeros(self.hi - self.lo, np.float32))
+
+    def _zero_state(self, a: int, b: int) -> tuple:
+        """Fresh optimizer state for elements [a, b) of this rank's range (one chunk)."""
+        return tuple(self.ops.array(np.zeros(b - a, np.float32)) for _ in self.optimizer.state_names)
+
+    def _plan_chunks(self, pipelined: bool) -> None:
+        """The update runs chunk by chunk (`dist.bucket_mb` each), and each chunk's new weights
+        go out in their own all-gather while the next chunk is computed, on a background
+        thread with its own channel: so the link carries weights during the update, as an
+        all-reduce's second half starts while its first still runs, instead of waiting for the
+        whole shard (the update was ~10-20% of a ZeRO-1 step at 1 Gbit/s, the link idle).
+        Chunk k of every rank's shard travels in all-gather k: all ranks cut the same bounds
+        alike. One chunk (the whole shard) on one rank and in ZeRO-3, which publishes into
+        its own buffers."""
+        counts = self.counts if pipelined else [self.hi - self.lo if r == self.world.rank else 0
+                                                for r in range(len(self.counts))]
+        size = self.bucket if pipelined else max(1, self.hi - self.lo)
+        mine = counts[self.world.rank]
+        self.chunks = [(a, min(a + size, mine)) for a in range(0, mine, size)] or [(0, 0)]
+        self.chunk_pieces = [tuple(Piece(i, x, y, self.offsets[i] + x - self.lo - a)
+                                   for i, _, x, y in self._mine(self.lo + a, self.lo + b)) for a, b in self.chunks]
+        rounds = max(-(-c // size) for c in counts) if pipelined else 0
+        self.gather_owners = [[(a + min(k * size, c), a + min((k + 1) * size, c)) for (a, _), c
+                               in zip(self.bounds, self.counts, strict=True)] for k in range(rounds)]
+        self._channel: Transport | None = None
+        self._gatherer: _Sender | None = None
+        if pipelined:
+            self._channel = self.transport.channel()
+            self._gatherer = _Sender()
 
     def _mine(self, lo: int | None = None, hi: int | None = None):
         """(index, name, start, end) of each parameter's part within [lo, hi) (default: this rank's
@@ -246,16 +321,20 @@ class ShardedDataParallel(DataParallel):
 
     def step(self, engine: Engine, lr: float) -> StepStats:
         self.world.rendezvous("waiting for the other ranks to finish computing")
+        self.phases = {}
+        t0 = time.perf_counter()
         local = engine.take_gradients()
         # Flat numpy before the clock starts: MLX finishes backward here, torch copies off its device.
         grads = [self.ops.flat(i, g) for i, g in enumerate(local.arrays)]
         local.arrays = []
-        t0 = time.perf_counter()
+        t0 = self._lap("flatten", t0)
         summed = self._reduce_scatter(grads)
         del grads  # only the summed shard is needed now (ZeRO-2 let each go as it was sent)
         rs_seconds = time.perf_counter() - t0
+        t0 = self._lap("reduce_scatter", t0)
         loss_sum, count, *metrics = self.world.allreduce_sum([local.loss_sum, local.count,
                                                               *local.metrics.flat(local.count)])
+        self._lap("scalars", t0)
         stats = self._update(engine, summed, loss_sum, int(count), lr)
         stats.metrics = means(local.metrics.names(), metrics)
         self.state_sync(engine, local.count)
@@ -266,11 +345,13 @@ class ShardedDataParallel(DataParallel):
     def _update(self, engine: Engine, summed: np.ndarray, loss_sum: float, count: int, lr: float) -> StepStats:
         if count <= 0:
             return nothing_to_learn(loss_sum)
+        t0 = time.perf_counter()
         g = self.ops.array(summed) * (1.0 / max(count, 1))
         del summed
         # Summed per parameter piece in fp32 as the engine sums (one fp32 sum over a long range
         # drifts: 4e-4 relative over 600k elements on the CPU), then in float64.
         norm = math.sqrt(self.world.allreduce_sum([self.ops.squares(g, self.pieces)])[0])
+        self._lap("norm", t0)
         stats = StepStats(loss_sum, count, norm, skipped=False)
         if not (math.isfinite(loss_sum) and math.isfinite(norm)):
             stats.skipped = True
@@ -278,12 +359,49 @@ class ShardedDataParallel(DataParallel):
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         t = self.t + 1
-        p, self.state = self.ops.update(self._shard_weights(), self.state, g, self.pieces, lr, t, coef)
-        del g
-        stats.sync_seconds, stats.sync_bytes = self._publish(engine, p)
+        if self._gatherer is None:
+            t0 = time.perf_counter()
+            p, self.state[0] = self.ops.update(self._shard_weights(), self.state[0], g, self.chunk_pieces[0], lr, t,
+                                               coef)
+            del g
+            self._lap("update", t0)
+            stats.sync_seconds, stats.sync_bytes = self._publish(engine, p)
+        else:
+            stats.sync_seconds, stats.sync_bytes = self._update_while_gathering(engine, g, lr, t, coef)
         self.t = t
         self.ops.drop_moments(t)
         return stats
+
+    def _update_while_gathering(self, engine: Engine, g, lr: float, t: int, coef: float) -> tuple[float, int]:
+        """The update chunk by chunk, each chunk's weights all-gathered on the background
+        channel while the next is computed (`_plan_chunks`); then into the engine. Seconds:
+        from the first chunk's all-gather to the last's end (the exchange in flight; the
+        `all_gather` phase is what the update did not hide)."""
+        if self._full is None:
+            self._full = np.empty(self.total, np.float32)
+        full, w, sent, t_first = self._full, self._shard_weights(), [], None
+        what = f"weight all-gather ({LEVELS[self.level]})"
+        for k, owners in enumerate(self.gather_owners):
+            if k < len(self.chunks) and self.chunks[k][1] > self.chunks[k][0]:
+                t0 = time.perf_counter()
+                a, b = self.chunks[k]
+                p, self.state[k] = self.ops.update(w[a:b], self.state[k], g[a:b], self.chunk_pieces[k], lr, t, coef)
+                full[self.lo + a:self.lo + b] = self.ops.numpy(p)
+                del p
+                self._lap("update", t0)
+            t_first = t_first or time.perf_counter()
+            sent.append(self._gatherer.submit(partial(self._channel.all_gather, [full], [owners], what,
+                                                      bucket=self.bucket)))
+        del w, g
+        t0 = time.perf_counter()
+        with self.transport.watch(what):
+            errors = [done.get() for done in sent]
+        if any(errors):
+            raise next(e for e in errors if e)
+        t1 = self._lap("all_gather", t0)
+        engine.set_weights(self._unflatten(full))
+        self._lap("unpack", t1)
+        return t1 - (t_first or t1), 4 * self.total
 
     def _shard_weights(self):
         """This rank's range of the weights: the engine's (a restore or a drift repair may
@@ -295,8 +413,19 @@ class ShardedDataParallel(DataParallel):
         t0 = time.perf_counter()
         full = self._allgather(self.ops.numpy(p))
         seconds = time.perf_counter() - t0
+        t1 = self._lap("all_gather", t0)
         engine.set_weights(self._unflatten(full))
+        self._lap("unpack", t1)
         return seconds, 4 * self.total
+
+    def after_step(self, engine: Engine, step: int, samples: int, last: bool) -> list[Decision]:
+        """This step's seconds by phase (flatten, reduce_scatter, scalars, norm, update,
+        all_gather, unpack) as a `shard_phases` event: where a sharded step's time goes beside
+        data parallel's compute_s and sync_s (`python -m mlxdist.bench shard` prints them)."""
+        phases, self.phases = self.phases, {}  # ZeRO-3's step, its own, records some of them too
+        if not phases:
+            return []
+        return [Decision("shard_phases", None, {"step": step, **{k: round(v, 6) for k, v in phases.items()}})]
 
     def before_last_backward(self, engine: Engine) -> None:
         """The exchange starts after backward: MLX builds the whole backward graph lazily, and
@@ -306,7 +435,7 @@ class ShardedDataParallel(DataParallel):
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
         """Gather the optimizer state to every checkpoint writer and hand it to its engine, which
         saves it as data parallel's `m.<param>`/...; dropped again at the next step."""
-        mine = [self.ops.numpy(a) for a in self.state]
+        mine = [np.concatenate([self.ops.numpy(c[j]) for c in self.state]) for j in range(len(self.state[0]))]
         for root, writes in enumerate(self.writes):
             if not writes:
                 continue
@@ -323,9 +452,11 @@ class ShardedDataParallel(DataParallel):
         state, count = engine.get_optimizer_state()  # count: the checkpoint's, or 0
         keys = self.optimizer.state_names
         if any(f"{k}.{n}" not in state for k in keys for n in self.names):
-            self.state = tuple(self._zeros() for _ in keys)
+            self.state = [self._zero_state(a, b) for a, b in self.chunks]
         else:
-            self.state = tuple(self.ops.array(self._slice({n: state[f"{k}.{n}"] for n in self.names})) for k in keys)
+            mine = [self._slice({n: state[f"{k}.{n}"] for n in self.names}) for k in keys]
+            self.state = [tuple(self.ops.array(x[a:b]) for x in mine) for a, b in self.chunks]
+            del mine
         del state
         self.t = int(count)
         self.ops.drop_moments(self.t)
@@ -335,4 +466,8 @@ class ShardedDataParallel(DataParallel):
                                          "optimizer_bytes_here": self.shard_bytes()[self.world.rank]})]
 
     def close(self) -> None:
-        """The transport is the run's, not this strategy's: nothing to let go."""
+        """The background all-gather's thread and channel (the transport is the run's)."""
+        if self._gatherer is not None:
+            self._gatherer.close()
+            self._channel.close()
+            self._gatherer = self._channel = None
