@@ -44,7 +44,7 @@ def test_tokens_per_s_counts_the_steps_between_the_first_and_last_kept_report() 
 def test_mlx_lm_report_lines_are_read_and_other_output_is_not() -> None:
     lines = [(1.0, "Trainable parameters: 0.030% (0.041M/135.515M)"),
              (2.0, "     1    6.674 \u25bc      97    0.2k"),
-             (3.5, "     2    6.735 \u25b2    1,201    0.5k"),
+             (3.5, "  \x1b[2m   2\x1b[0m    \x1b[1;33m6.735 \u25b2\x1b[0m    \x1b[1m1,201\x1b[0m    \x1b[2m  0.5k\x1b[0m"),
              (4.0, "Iter 2: Val loss 6.1")]
     assert parse_reports(lines) == [(2.0, 1, 6.674), (3.5, 2, 6.735)]
 
@@ -66,7 +66,7 @@ def test_launch_files_and_command() -> None:
     hf = mlx_launch_hostfile([("h1", "10.0.0.1"), ("h2", "10.0.0.2")])
     assert hf["backend"] == "ring" and [h["ips"] for h in hf["hosts"]] == [["10.0.0.1"], ["10.0.0.2"]]
     cmd = mlx_launch_command(Path("/h.json"), Path("/c.yaml"), python="/venv/bin/python")
-    assert cmd[0] == "/venv/bin/mlx.launch" and cmd[cmd.index("--") + 1:] == ["-m", "mlx_lm.lora", "-c", "/c.yaml"]
+    assert cmd[0] == "/venv/bin/mlx.launch" and cmd[cmd.index("--") + 1:] == ["-m", "mlx_lm", "lora", "-c", "/c.yaml"]
 
 
 def test_ssh_standin_runs_mlx_launch_scripts_under_bash_through_the_agent(tmp_path) -> None:

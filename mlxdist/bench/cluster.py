@@ -46,6 +46,8 @@ from .torchddp import _free_port
 
 # mlx_lm's report line when not on a terminal: iteration, loss, arrow, tokens/s, trained tokens.
 _REPORT = re.compile(r"^\s*(\d+)\s+([0-9.]+)\s+[\u25bc\u25b2]\s+[0-9,]+\s+[0-9.]+k\s*$")
+THREADS = ["OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"]  # forwarded to every rank: one thread each
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # rich colours its lines even into a pipe when TERM says so
 # Environment that must not reach mlx.launch's ranks: an MPI library name would make MLX pick
 # the MPI backend (a world of one without mpirun), Open MPI's variables a wrong rank.
 _DROP_ENV = ("MLX_MPI_LIBNAME", "MLX_RANK", "MLX_HOSTFILE")
@@ -78,7 +80,7 @@ def parse_reports(lines: list[tuple[float, str]]) -> list[tuple[float, int, floa
     """(arrival time, iteration, train loss) of each of mlx_lm's per-step report lines."""
     out = []
     for t, line in lines:
-        m = _REPORT.match(line)
+        m = _REPORT.match(_ANSI.sub("", line))
         if m:
             out.append((t, int(m.group(1)), float(m.group(2))))
     return out
@@ -105,7 +107,8 @@ def mlx_launch_command(hostfile: Path, config: Path, python: str = sys.executabl
     """The unmodified launcher and CLI, as a user types them (`--python` so the ranks use the
     same interpreter: a namespace host's PATH is this machine's)."""
     return [str(Path(python).parent / "mlx.launch"), "--hostfile", str(hostfile), "--backend", "ring",
-            "--python", python, "--env", "OPENBLAS_NUM_THREADS=1", "--", "-m", "mlx_lm.lora", "-c", str(config)]
+            "--python", python, "--env", "OPENBLAS_NUM_THREADS=1", "--env", "OMP_NUM_THREADS=1", "--",
+            "-m", "mlx_lm", "lora", "-c", str(config)]
 
 
 def ssh_standin(agent: Path, python: str = sys.executable) -> str:
@@ -157,7 +160,8 @@ def _mlx_lm_run(cluster, work: Path, hf: str, data_dir: Path, s: dict, tag: str,
     config = work / f"{tag}-lora.yaml"
     config.write_text(json.dumps(mlx_lm_config(hf, data_dir, work / f"{tag}-adapters", s)))  # JSON is YAML
     env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV and not k.startswith("OMPI_")}
-    env |= {"PYTHONUNBUFFERED": "1", "COLUMNS": "100", "OPENBLAS_NUM_THREADS": "1"}
+    env |= {"PYTHONUNBUFFERED": "1", "COLUMNS": "100", "TERM": "dumb", "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1"}
     others: list[subprocess.Popen] = []
     if a.launcher == "mlx.launch":
         hostfile = work / f"{tag}-hosts.json"
@@ -168,7 +172,7 @@ def _mlx_lm_run(cluster, work: Path, hf: str, data_dir: Path, s: dict, tag: str,
     else:
         ring = work / f"{tag}-ring.json"
         ring.write_text(json.dumps(ring_hostfile([cluster.ip(h) for h in cluster.hosts], _free_port())))
-        cmd = [sys.executable, "-m", "mlx_lm.lora", "-c", str(config)]
+        cmd = [sys.executable, "-m", "mlx_lm", "lora", "-c", str(config)]
         procs = [cluster.popen(r + 1, cmd, env=env | {"MLX_RANK": str(r), "MLX_HOSTFILE": str(ring)},
                                stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                text=True, cwd=REPO) for r in range(len(cluster.hosts))]
@@ -188,7 +192,7 @@ def _mlx_lm_run(cluster, work: Path, hf: str, data_dir: Path, s: dict, tag: str,
 def _mlxdist_run(cluster, args: list[str], run_dir: Path, tokens_per_sample: int, skip: int,
                  timeout: float) -> dict:
     """mlxdist.train over mpirun on every host; tokens/s from rank 0's step events."""
-    cmd = [find_mpirun(), *cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS"]), "-np", str(len(cluster.hosts)),
+    cmd = [find_mpirun(), *cluster.mpirun_args(env=THREADS), "-np", str(len(cluster.hosts)),
            sys.executable, "-m", "mlxdist.train", *args, f"train.out_dir={run_dir}"]
     check(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO), f"mlxdist ({run_dir.name})")
     steps = [e for e in read_events(run_dir) if e["event"] == "step"]
@@ -202,7 +206,7 @@ def _ddp_run(cluster, loop: str, a: argparse.Namespace, work: Path, tag: str) ->
     extra = {"MLXDIST_DDP_MASTER": f"{cluster.ip(1)}:{_free_port()}", "MLXDIST_DDP_OUT": str(out)}
     os.environ.update(extra)  # mpirun forwards only variables set in its own environment
     n = len(cluster.hosts)
-    cmd = [find_mpirun(), *cluster.mpirun_args(env=["OPENBLAS_NUM_THREADS", *extra]), "-np", str(n),
+    cmd = [find_mpirun(), *cluster.mpirun_args(env=[*THREADS, *extra]), "-np", str(n),
            sys.executable, "-m", "mlxdist.bench.ddp_worker", "--loop", loop, "--preset", a.torch_preset,
            "--batch", str(a.torch_batch // n), "--seq-len", str(a.torch_seq), "--steps", str(a.torch_steps)]
     check(subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=REPO), f"{loop} ({tag})")
@@ -294,9 +298,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4, help="LoRA: adapt the last N layers")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--torch-preset", default="tiny", help="torch row: model.preset")
-    p.add_argument("--torch-batch", type=int, default=16, help="torch row: global batch")
-    p.add_argument("--torch-seq", type=int, default=64, help="torch row: tokens per sample")
-    p.add_argument("--torch-steps", type=int, default=20, help="torch row: steps per run")
+    p.add_argument("--torch-batch", type=int, default=8, help="torch row: global batch")
+    p.add_argument("--torch-seq", type=int, default=32, help="torch row: tokens per sample")
+    p.add_argument("--torch-steps", type=int, default=14, help="torch row: steps per run")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of solo and baseline rates")
     p.add_argument("--balance-skip", type=int, default=7, help="steps left out of mlxdist's rate (the balancer settling)")
     p.add_argument("--balance-interval", type=int, default=2, help="control.balance_interval of mlxdist's runs")
@@ -333,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
          "targets": "q_proj,v_proj", "lr": 1e-4, "skip": a.skip}
     cpus = {"slow": [a.fast_cpu, a.slow_cpu]} | ({} if a.no_equal else {"equal": [a.fast_cpu, a.fast_cpu]})
     set_env()
+    os.environ["OMP_NUM_THREADS"] = "1"  # torch's intra-op threads: one per rank, as BLAS's
     t_start = time.perf_counter()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="mlxcl-") as tmp, SimCluster(
