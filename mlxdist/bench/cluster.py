@@ -245,7 +245,8 @@ def _lora_round(cluster, a, work: Path, hf: str, data_dir: Path, s: dict, rates:
 def _torch_round(cluster, a, work: Path, rates: list[str], cpus: dict, tag: str) -> list[dict]:
     common = ["--engine", "torch", "--device", "cpu", "data.source=synthetic", f"model.preset={a.torch_preset}",
               f"data.seq_len={a.torch_seq}", f"train.batch_size={a.torch_batch}", f"train.steps={a.torch_steps}",
-              "metrics.port=0", "train.progress=false", "train.eval_every=0", "checkpoint.every=0", "train.lr=1e-4"]
+              "metrics.port=0", "train.progress=false", "train.eval_every=0", "checkpoint.every=0", "train.lr=1e-4",
+              "train.schedule=constant", "train.warmup_steps=0"]  # the DDP worker's AdamW: constant 1e-4
     ours_args = [*common, f"train.global_batch={a.torch_batch}", "control.balance=true",
                  f"control.balance_interval={a.balance_interval}", "dist.sync_weights_every=0"]
     rows = []
@@ -288,8 +289,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", default="lora,torch", help="comma list of lora, torch")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repeats of everything")
     p.add_argument("--rates", default="1gbit,10gbit", help="link rates, tc syntax, comma list")
-    p.add_argument("--fast-cpu", type=float, default=80.0, help="CPU quota of the fast host, %% of a core")
-    p.add_argument("--slow-cpu", type=float, default=40.0, help="CPU quota of the slow host, %% of a core")
+    p.add_argument("--fast-cpu", type=float, default=50.0, help="CPU quota of the fast host, %% of a core")
+    p.add_argument("--slow-cpu", type=float, default=25.0, help="CPU quota of the slow host, %% of a core")
     p.add_argument("--no-equal", action="store_true", help="skip the equal-hosts runs (both at --fast-cpu)")
     p.add_argument("--steps", type=int, default=12, help="LoRA steps per run")
     p.add_argument("--batch", type=int, default=6, help="LoRA global batch (divisible by 2: mlx-lm's rule)")
@@ -300,9 +301,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-preset", default="tiny", help="torch row: model.preset")
     p.add_argument("--torch-batch", type=int, default=8, help="torch row: global batch")
     p.add_argument("--torch-seq", type=int, default=32, help="torch row: tokens per sample")
-    p.add_argument("--torch-steps", type=int, default=14, help="torch row: steps per run")
+    p.add_argument("--torch-steps", type=int, default=12, help="torch row: steps per run")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of solo and baseline rates")
-    p.add_argument("--balance-skip", type=int, default=7, help="steps left out of mlxdist's rate (the balancer settling)")
+    p.add_argument("--balance-skip", type=int, default=6, help="steps left out of mlxdist's rate (the balancer settling)")
     p.add_argument("--balance-interval", type=int, default=2, help="control.balance_interval of mlxdist's runs")
     p.add_argument("--launcher", choices=("direct", "mlx.launch"), default="direct",
                    help="how mlx_lm.lora's ranks start: on each host with mlx.launch's environment, or by mlx.launch")
