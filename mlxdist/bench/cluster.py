@@ -125,6 +125,15 @@ os.execv({str(agent)!r}, [{str(agent)!r}, a[0], "bash -c " + shlex.quote(" ".joi
 """
 
 
+def step_rate(events: list[dict], skip: int) -> float:
+    """Samples/s over the summed `step_s` of the step events after `skip`: the span the DDP
+    worker times (forward to zero_grad), as bench torchddp compares them."""
+    kept = [e for e in events if e["event"] == "step"][skip:]
+    if not kept:
+        raise RuntimeError(f"no steps logged after {skip}")
+    return sum(sum(e["shares"]) for e in kept) / sum(e["step_s"] for e in kept)
+
+
 def last_loss(losses: list[float], k: int = 3) -> float:
     """Mean of the last `k` step losses: one step's loss is one batch's, too noisy alone."""
     return statistics.fmean(losses[-k:])
@@ -190,14 +199,15 @@ def _mlx_lm_run(cluster, work: Path, hf: str, data_dir: Path, s: dict, tag: str,
 
 
 def _mlxdist_run(cluster, args: list[str], run_dir: Path, tokens_per_sample: int, skip: int,
-                 timeout: float) -> dict:
-    """mlxdist.train over mpirun on every host; tokens/s from rank 0's step events."""
+                 timeout: float, by_step_s: bool = False) -> dict:
+    """mlxdist.train over mpirun on every host; tokens/s from rank 0's step events: by wall
+    clock between them, or (`by_step_s`) over their summed step times."""
     cmd = [find_mpirun(), *cluster.mpirun_args(env=THREADS), "-np", str(len(cluster.hosts)),
            sys.executable, "-m", "mlxdist.train", *args, f"train.out_dir={run_dir}"]
     check(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO), f"mlxdist ({run_dir.name})")
     steps = [e for e in read_events(run_dir) if e["event"] == "step"]
-    return {"tok_s": steady_rate(steps, skip) * tokens_per_sample, "loss": [e["loss"] for e in steps],
-            "shares": steps[-1]["shares"]}
+    rate = step_rate(steps, skip) if by_step_s else steady_rate(steps, skip)
+    return {"tok_s": rate * tokens_per_sample, "loss": [e["loss"] for e in steps], "shares": steps[-1]["shares"]}
 
 
 def _ddp_run(cluster, loop: str, a: argparse.Namespace, work: Path, tag: str) -> dict:
@@ -252,13 +262,14 @@ def _torch_round(cluster, a, work: Path, rates: list[str], cpus: dict, tag: str)
     rows = []
     for setup, cpu in cpus.items():
         _set_hosts(cluster, cpu, rates[0])
-        solo = [r * a.torch_seq for r in solo_rates(cluster, common, work, f"torch-{tag}-{setup}", a.skip,
-                                                    a.timeout)]
+        solo_rates(cluster, common, work, f"torch-{tag}-{setup}", a.skip, a.timeout)
+        solo = [step_rate(read_events(work / f"solo-torch-{tag}-{setup}-{h}"), a.skip) * a.torch_seq
+                for h in range(1, len(cluster.hosts) + 1)]
         for rate in rates if setup == "slow" else rates[:1]:
             _set_hosts(cluster, cpu, rate)
             name = f"{tag}-{setup}-{rate}"
             runs = [("mlxdist-torch", lambda n=name: _mlxdist_run(cluster, ours_args, work / f"torch-{n}",
-                                                                  a.torch_seq, a.balance_skip, a.timeout)),
+                                                                  a.torch_seq, a.balance_skip, a.timeout, True)),
                     ("ddp", lambda n=name: _ddp_run(cluster, "ddp", a, work, n)),
                     ("mlxdist.torch", lambda n=name: _ddp_run(cluster, "yourloop", a, work, n))]
             got = {k: f() for k, f in (runs if len(rows) % 2 == 0 else runs[::-1])}
@@ -299,8 +310,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4, help="LoRA: adapt the last N layers")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--torch-preset", default="tiny", help="torch row: model.preset")
-    p.add_argument("--torch-batch", type=int, default=8, help="torch row: global batch")
-    p.add_argument("--torch-seq", type=int, default=32, help="torch row: tokens per sample")
+    p.add_argument("--torch-batch", type=int, default=16, help="torch row: global batch")
+    p.add_argument("--torch-seq", type=int, default=64, help="torch row: tokens per sample")
     p.add_argument("--torch-steps", type=int, default=12, help="torch row: steps per run")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of solo and baseline rates")
     p.add_argument("--balance-skip", type=int, default=6, help="steps left out of mlxdist's rate (the balancer settling)")
