@@ -17,6 +17,7 @@ from mlxdist.bench.cluster import (
     mlx_lm_config,
     of_ideal,
     parse_reports,
+    step_rate,
     ring_hostfile,
     ssh_standin,
     tokens_per_s,
@@ -39,6 +40,12 @@ def test_tokens_per_s_counts_the_steps_between_the_first_and_last_kept_report() 
     assert tokens_per_s(times, 288, skip=1) == pytest.approx(3 * 288 / 6.0)
     with pytest.raises(RuntimeError, match="need more than 5"):
         tokens_per_s(times, 288, skip=4)
+
+
+def test_step_rate_sums_the_timed_spans_of_every_rank_share() -> None:
+    events = [{"event": "start"}, *({"event": "step", "shares": sh, "step_s": t}
+                                    for sh, t in (([8, 8], 9.0), ([8, 8], 1.0), ([11, 5], 1.0), ([11, 5], 2.0)))]
+    assert step_rate(events, skip=1) == pytest.approx(48 / 4.0)
 
 
 def test_mlx_lm_report_lines_are_read_and_other_output_is_not() -> None:
