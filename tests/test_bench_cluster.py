@@ -17,9 +17,9 @@ from mlxdist.bench.cluster import (
     mlx_lm_config,
     of_ideal,
     parse_reports,
-    step_rate,
     ring_hostfile,
     ssh_standin,
+    step_rate,
     tokens_per_s,
 )
 from mlxdist.bench.finetune import lora_overrides
