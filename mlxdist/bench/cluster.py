@@ -18,9 +18,12 @@ held against the ideal: the sum of both hosts' rates each running the whole batc
 mlxdist trainer of that row, both hosts at once, just before the cluster runs). Losses at the
 last steps (equal tokens: same global batch and steps) show speed is not bought with quality.
 
-`mlx.launch` reaches hosts with `ssh`; here `ssh` on its PATH is a stand-in that runs the
-launch script on the namespace host through the rig's own ssh agent (the one mpirun uses:
-the host's netns, hostname and CPU cgroup), under bash as ssh would.
+mlx-lm's ranks start, by default (`--launcher direct`), on their hosts with the environment
+mlx.launch gives them (MLX_RANK, MLX_HOSTFILE with its ring hostfile): mlx.launch's own I/O loop
+busy-polls a core, which on this 2-core machine would starve the ranks. `--launcher mlx.launch`
+runs it anyway: `ssh` on its PATH is then a stand-in that runs the launch script under bash on
+the namespace host through the rig's own ssh agent (the one mpirun uses: the host's netns,
+hostname and CPU cgroup).
 
     python -m mlxdist.bench cluster                    # 3 rounds, 1gbit and 10gbit, both rows
     python -m mlxdist.bench cluster --rows lora --rounds 1 --rates 1gbit --json out.json
