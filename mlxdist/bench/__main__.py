@@ -24,6 +24,7 @@ BENCHMARKS = {
     "optim": ("optim", "main", False, "the torch engine's AdamW (mlxdist.optim) vs torch.optim.AdamW, one step"),
     "wire": ("wire", "main", False, "data parallel's int8 gradient wire (error feedback) vs fp32: step time, loss"),
     "compiled": ("compiled", "main", False, "your MLX loop: the step compiled with its gradient sum inside vs uncompiled"),
+    "cluster": ("cluster", "main", False, "2 hosts, one at half speed, shaped links: ours vs mlx-lm LoRA and DDP"),
     "checkpoint-io": ("checkpoint_io", "main", False, "checkpoint write/read: plain safetensors vs zstd"),
 }
 

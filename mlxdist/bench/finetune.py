@@ -133,17 +133,22 @@ def _worker_peft(hf: str, data: Path, s: dict, out: Path) -> dict:
     return {"step_s": steps, "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, "loss": losses}
 
 
+def lora_overrides(hf: str, data: Path, s: dict) -> list[str]:
+    """mlxdist's config for the LoRA run every baseline matches: plain Adam at a constant rate,
+    no clipping or decay (shared with `bench cluster`, so both benches train the same thing)."""
+    return [f"model.path={hf}", "finetune.method=lora", f"finetune.rank={s['rank']}", f"finetune.alpha={s['alpha']}",
+            f"finetune.targets={s['targets']}", f"finetune.layers={s['layers']}", "data.source=jsonl",
+            f"data.path={data}", f"data.seq_len={s['seq']}", "data.eval_fraction=0", f"train.batch_size={s['batch']}",
+            f"train.steps={s['steps']}", f"train.lr={s['lr']}", "train.schedule=constant", "train.warmup_steps=0",
+            "train.weight_decay=0", "train.grad_clip=0", "train.eval_every=0", "train.progress=false",
+            "checkpoint.every=0", "metrics.port=0"]
+
+
 def _ours(kind: str, hf: str, data: Path, s: dict, out: Path, env: dict) -> dict:
     """The real CLI, so the number is what a user gets."""
     run_dir = out.with_suffix("")
     engine = ["--engine", "torch", "--device", "cpu"] if kind == "mlxdist-torch" else ["--engine", "mlx"]
-    cmd = [sys.executable, "-m", "mlxdist.train", *engine, f"model.path={hf}", "finetune.method=lora",
-           f"finetune.rank={s['rank']}", f"finetune.alpha={s['alpha']}", f"finetune.targets={s['targets']}",
-           f"finetune.layers={s['layers']}", "data.source=jsonl", f"data.path={data}", f"data.seq_len={s['seq']}",
-           "data.eval_fraction=0", f"train.batch_size={s['batch']}", f"train.steps={s['steps']}",
-           f"train.lr={s['lr']}", "train.schedule=constant", "train.warmup_steps=0", "train.weight_decay=0",
-           "train.grad_clip=0", "train.eval_every=0", "train.progress=false", "checkpoint.every=0",
-           "metrics.port=0", f"train.out_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "mlxdist.train", *engine, *lora_overrides(hf, data, s), f"train.out_dir={run_dir}"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode != 0:
         raise RuntimeError(f"{kind} run failed ({' '.join(cmd)}): {r.stderr.strip()[-2000:]}")
