@@ -29,7 +29,8 @@ def _shards(d, bad: int | None = BAD_ID):
 
 
 def _errors(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("error:")]
+    # Open MPI's output forwarding once put a NUL before an aborting rank's line (seen in CI).
+    return [line.lstrip("\0") for line in stderr.splitlines() if line.lstrip("\0").startswith("error:")]
 
 
 def _names_the_bad_id(line: str) -> bool:
