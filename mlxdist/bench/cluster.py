@@ -237,7 +237,7 @@ def _set_hosts(cluster, cpu: list[float], rate: str) -> None:
 def _lora_round(cluster, a, work: Path, hf: str, data_dir: Path, s: dict, rates: list[str], cpus: dict,
                 tag: str) -> list[dict]:
     tok = s["seq"]
-    solo_args = ["--engine", "mlx", *lora_overrides(hf, data_dir / "train.jsonl", s)]
+    solo_args = ["--engine", "mlx", *lora_overrides(hf, data_dir / "train.jsonl", s), *a.overrides]
     ours_args = [*solo_args, f"train.global_batch={s['batch']}", "control.balance=true",
                  f"control.balance_interval={a.balance_interval}", "dist.sync_weights_every=0"]
     rows = []
@@ -259,7 +259,7 @@ def _torch_round(cluster, a, work: Path, rates: list[str], cpus: dict, tag: str)
     common = ["--engine", "torch", "--device", "cpu", "data.source=synthetic", f"model.preset={a.torch_preset}",
               f"data.seq_len={a.torch_seq}", f"train.batch_size={a.torch_batch}", f"train.steps={a.torch_steps}",
               "metrics.port=0", "train.progress=false", "train.eval_every=0", "checkpoint.every=0", "train.lr=1e-4",
-              "train.schedule=constant", "train.warmup_steps=0"]  # the DDP worker's AdamW: constant 1e-4
+              "train.schedule=constant", "train.warmup_steps=0", *a.overrides]  # the DDP worker's AdamW
     ours_args = [*common, f"train.global_batch={a.torch_batch}", "control.balance=true",
                  f"control.balance_interval={a.balance_interval}", "dist.sync_weights_every=0"]
     rows = []
@@ -324,6 +324,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--subnet", default="10.77.61", help="namespace cluster subnet (first three octets)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     p.add_argument("--json", help="also write every measurement here")
+    p.add_argument("overrides", nargs="*", help="extra config overrides for mlxdist's trainer runs (solo and cluster)")
     return p
 
 

@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hosts", type=int, default=2, help="namespace hosts, one rank each (needs root)")
     p.add_argument("--rate", default="1gbit", help="link rate of every host (tc syntax)")
-    p.add_argument("--preset", default="small", help="model.preset (small: 31M parameters, 126 MB of fp32 gradients)")
+    p.add_argument("--preset", default="small", help="model.preset (small: 31M parameters, 126 MB of fp32 gradients), "
+                   "or 135m: the SmolLM2-135M shape")
     p.add_argument("--batch", type=int, default=2, help="samples per host per step")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample")
     p.add_argument("--steps", type=int, default=100, help="steps of each cluster run (a multiple of --inner-steps)")
@@ -141,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="dist.inner_steps of the time-boxed run: its first round, which times the hosts")
     p.add_argument("--outer-cost", action="store_true", help="measure one outer sync's parts on --cost-model")
     p.add_argument("--cost-rounds", type=int, default=3, help="--outer-cost: rounds of --inner-steps per run")
-    p.add_argument("--overlap", type=int, default=2, help="--outer-cost: dist.overlap_steps of the overlapped run")
+    p.add_argument("--overlap", type=int, default=None,
+                   help="dist.overlap_steps of every DiLoCo run (--outer-cost: of its overlapped run, default 2)")
+    p.add_argument("--modes", default="ddp,h,box", help="with --wall: which of ddp, h (H steps), box (--box) to run")
+    p.add_argument("--reference", action="store_true",
+                   help="with --wall: DDP's eval loss at the DiLoCo runs' tokens, from a DDP run on unshaped links")
     p.add_argument("--subnet", default="10.77.51", help="namespace cluster subnet (first three octets)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--json", help="also write the numbers to this file")
@@ -177,21 +182,25 @@ def main(argv: list[str] | None = None) -> int:
     return finish("diloco", result, t_start, args.json)
 
 
+def _model(args) -> list[str]:
+    return ["model.preset=small", *SHAPE_135M] if args.preset == "135m" else [f"model.preset={args.preset}"]
+
+
 def _common(args) -> list[str]:
-    return [*BASE, f"model.preset={args.preset}", f"data.seq_len={args.seq_len}", f"train.batch_size={args.batch}",
+    return [*BASE, *_model(args), f"data.seq_len={args.seq_len}", f"train.batch_size={args.batch}",
             f"train.lr={args.lr}", f"train.eval_batches={args.eval_batches}", *args.overrides]
 
 
 def _diloco(args) -> list[str]:
     return ["dist.mode=diloco", f"dist.inner_steps={args.inner_steps}", f"dist.outer_wire={args.wire}",
             f"dist.fragments={args.fragments}", f"dist.outer_lr={args.outer_lr}",
-            f"dist.outer_momentum={args.outer_momentum}"]
+            f"dist.outer_momentum={args.outer_momentum}", *([f"dist.overlap_steps={args.overlap}"] * bool(args.overlap))]
 
 
 def _settings(args) -> dict:
     return {"hosts": args.hosts, "rate": args.rate, "preset": args.preset, "batch_per_host": args.batch,
             "seq_len": args.seq_len, "inner_steps": args.inner_steps, "wire": args.wire, "outer_lr": args.outer_lr,
-            "outer_momentum": args.outer_momentum, "slow": args.slow}
+            "outer_momentum": args.outer_momentum, "slow": args.slow, "overlap_steps": args.overlap or 0}
 
 
 def equal_steps(cluster, args, tmp: Path) -> dict:
@@ -243,8 +252,13 @@ def equal_wall_time(cluster, args, tmp: Path) -> dict:
     common = _common(args)
     solo_args = [*common, f"train.steps={args.solo_steps}", "train.eval_every=0"]
     # Ranks meet (and a stop lands) where rounds end, so every run stops on the agreed model.
-    modes = {"ddp": [], f"diloco H={h}": [*_diloco(args), f"control.balance_interval={h}"]}
-    if args.box is not None:
+    wanted = set(args.modes.split(","))
+    modes = {}
+    if "ddp" in wanted:
+        modes["ddp"] = []
+    if "h" in wanted:
+        modes[f"diloco H={h}"] = [*_diloco(args), f"control.balance_interval={h}"]
+    if "box" in wanted and args.box is not None:
         modes[f"diloco box {args.box:g}s"] = [*_diloco(args), f"dist.sync_every_s={args.box}",
                                               f"dist.inner_steps={args.box_first}"]
     solos = [solo_rates(cluster, solo_args, tmp, "before", args.skip, args.timeout)]
@@ -254,6 +268,8 @@ def equal_wall_time(cluster, args, tmp: Path) -> dict:
         rate, seconds, inner = cluster_rate(tmp / f"run{i}", n, args.skip)
         rounds = [e for e in events if e["event"] == "diloco_round"]
         runs[name] = {"samples_per_s": rate, "steady_seconds": seconds, "eval_loss": _eval_loss(events),
+                      "samples": sum(e["samples"] for r in range(n) for e in read_events(tmp / f"run{i}", r)
+                                     if e["event"] == "step"),
                       "steps": max(e["step"] for e in events if e["event"] == "step"), "inner_steps": inner["per_rank"],
                       "compute_s": _median(events, "step", "compute_s"),
                       "outer_sync_s": _median(events, "outer_sync", "seconds"),
@@ -274,11 +290,43 @@ def equal_wall_time(cluster, args, tmp: Path) -> dict:
     for name, r in runs.items():
         print(f"| {name} | {r['samples_per_s']:.2f} | {r['fraction_of_bound']:.3f} ({r['bound']:.2f}/s) | "
               f"{r['fraction_of_run_bound']:.3f} | {r['eval_loss']:.4f} | {r['steps']} | {r['inner_steps']} |")
+    reference = _reference(cluster, args, common, runs, tmp) if args.reference else None
     for name, r in runs.items():
         if r["round_waited_s"]:
             print(f"{name}: inner steps per round {r['round_inner_steps']}; longest wait at each sync "
                   f"{', '.join(f'{w:.2f}' for w in r['round_waited_s'])} s")
-    return _settings(args) | {"wall": args.wall, "box": args.box, "solo": solos, "bound": bound, "runs": runs}
+    return _settings(args) | {"wall": args.wall, "box": args.box, "solo": solos, "bound": bound, "runs": runs,
+                              "reference": reference}
+
+
+def _reference(cluster, args, common: list[str], runs: dict, tmp: Path) -> dict:
+    """DDP's eval loss at the tokens each run trained: the loss does not depend on the link, so
+    it comes from a DDP run with the links unshaped (evaluated at eight points up to the most
+    tokens any run trained), where the shaped DDP run trains too few steps to compare."""
+    n = args.hosts
+    per_step = n * args.batch
+    steps = max(1, round(max(r["samples"] for r in runs.values()) / per_step))
+    every = max(1, steps // 8)
+    steps = -(-steps // every) * every
+    for h in range(1, n + 1):
+        cluster.shape(h, None)
+    try:
+        events = cluster_run(cluster, [*common, f"train.steps={steps}", f"train.eval_every={every}"],
+                             tmp / "reference", args.timeout)
+    finally:
+        for h in range(1, n + 1):
+            cluster.shape(h, args.rate)
+    evals = {e["step"]: e["eval_loss"] for e in events if e["event"] == "eval"}
+    print(f"DDP reference (links unshaped, {per_step} samples a step, eval every {every} steps): "
+          + ", ".join(f"step {s}: {v:.4f}" for s, v in sorted(evals.items())))
+    out = {"samples_per_step": per_step, "evals": evals, "at_tokens": {}}
+    for name, r in runs.items():
+        step = min(evals, key=lambda s: abs(s * per_step - r["samples"]))
+        out["at_tokens"][name] = {"samples": r["samples"], "ddp_samples": step * per_step, "ddp_eval_loss": evals[step],
+                                  "eval_loss": r["eval_loss"], "ratio": r["eval_loss"] / evals[step]}
+        print(f"{name}: {r['samples']} samples trained, eval loss {r['eval_loss']:.4f}; DDP at {step * per_step} "
+              f"samples {evals[step]:.4f} ({r['eval_loss'] / evals[step] - 1:+.1%})")
+    return out
 
 
 def outer_cost(cluster, args, tmp: Path) -> dict:
@@ -291,7 +339,8 @@ def outer_cost(cluster, args, tmp: Path) -> dict:
               f"control.balance_interval={h}", *args.overrides]
     rate_bps = _bits_per_s(args.rate)
     result = _settings(args) | {"model": "SmolLM2-135M shape", "steps": steps, "runs": {}}
-    for name, extra in (("blocking", []), (f"overlapped {args.overlap} steps", [f"dist.overlap_steps={args.overlap}"])):
+    lag = args.overlap or 2
+    for name, extra in (("blocking", []), (f"overlapped {lag} steps", [f"dist.overlap_steps={lag}"])):
         events = cluster_run(cluster, [*common, *extra], tmp / name.split()[0], args.timeout)
         syncs = [e for e in events if e["event"] == "outer_sync"][1:] or [e for e in events if e["event"] == "outer_sync"]
         steps_ev = [e for e in events if e["event"] == "step"]

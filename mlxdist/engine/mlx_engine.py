@@ -433,9 +433,9 @@ class MLXShardOps(StagedShardOps):
         self.names = list(engine.names)
         self.shapes = [tuple(engine.params[n].shape) for n in self.names]
         self.optimizer = engine.optimizer
+        self._masks = {}
         opt = self.optimizer
         self._update = mx.compile(lambda p, state, g, decay, scalars: opt.update(mlx_ops, p, g, state, scalars, decay))
-        self._mask: tuple = (None, None)  # (pieces, their decay mask): built once per shard
 
     def flat(self, index: int, grad: mx.array) -> np.ndarray:
         return np.asarray(grad, np.float32).reshape(-1)
@@ -456,14 +456,6 @@ class MLXShardOps(StagedShardOps):
             return 0.0
         sums = mx.stack([mx.sum(mx.square(g[pc.at:pc.at + pc.end - pc.start])) for pc in pieces])
         return float(np.sum(np.array(sums, np.float64)))
-
-    def _decay(self, pieces: tuple[Piece, ...]) -> mx.array:
-        if self._mask[0] is not pieces:
-            mask = np.zeros(sum(pc.end - pc.start for pc in pieces), bool)
-            for pc in pieces:
-                mask[pc.at:pc.at + pc.end - pc.start] = decays(self.shapes[pc.index])
-            self._mask = (pieces, mx.array(mask))
-        return self._mask[1]
 
     def update(self, p, state: tuple, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
         p, state = self._update(p, tuple(state), g, self._decay(pieces), mx.array(self.optimizer.scalars(lr, t, coef)))

@@ -13,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ..tasks import Batch, TaskError
-from .base import LocalGradients
+from .base import LocalGradients, Piece
+from .common import decays
 
 
 class _Input(Exception):
@@ -94,6 +97,20 @@ class StagedShardOps:
     engine (`ReleasesWeights` and its `staged_step`, `staged_eval`, `take_totals`, `release_weights`)."""
 
     engine: Any
+    shapes: list[tuple[int, ...]]
+    array: Callable[[np.ndarray], Any]
+    _masks: dict[tuple[Piece, ...], Any]  # each subclass's __init__ starts it empty
+
+    def _decay(self, pieces: tuple[Piece, ...]) -> Any:
+        """The decay mask of `pieces` on the device, built once per range: ZeRO-1/2 update a
+        shard chunk by chunk, each chunk its own pieces, every step."""
+        masks = self._masks
+        if pieces not in masks:
+            mask = np.zeros(sum(pc.end - pc.start for pc in pieces), bool)
+            for pc in pieces:
+                mask[pc.at:pc.at + pc.end - pc.start] = decays(self.shapes[pc.index])
+            masks[pieces] = self.array(mask)
+        return masks[pieces]
 
     def stage_names(self) -> list[list[str]] | None:
         """Each stage's parameters in `model.stages()`' order, or None for a model without stages."""

@@ -731,7 +731,7 @@ class TorchShardOps(StagedShardOps):
         self.shapes = [tuple(p.shape)[::-1] if flipped(n) else tuple(p.shape)
                        for n, p in zip(self.names, engine.trained_params, strict=True)]
         self.optimizer = engine.optimizer
-        self._mask: tuple = (None, None)  # (pieces, their decay mask): built once per shard
+        self._masks = {}
 
     def _ours(self, index: int, t: torch.Tensor) -> torch.Tensor:
         return t.T if flipped(self.names[index]) else t
@@ -762,14 +762,6 @@ class TorchShardOps(StagedShardOps):
             return 0.0
         sums = torch.stack([g[s].square().sum() for s in self._cuts(pieces)])
         return float(sums.cpu().double().sum())  # float64 on the CPU: MPS has none
-
-    def _decay(self, pieces: tuple[Piece, ...]) -> torch.Tensor:
-        if self._mask[0] is not pieces:
-            mask = torch.zeros(sum(pc.end - pc.start for pc in pieces), dtype=torch.bool)
-            for s, pc in zip(self._cuts(pieces), pieces, strict=True):
-                mask[s] = decays(self.shapes[pc.index])
-            self._mask = (pieces, mask.to(self.engine.dev))
-        return self._mask[1]
 
     @torch.no_grad()
     def update(self, p, state: tuple, g, pieces: tuple[Piece, ...], lr: float, t: int, coef: float) -> tuple:
