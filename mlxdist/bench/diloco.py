@@ -301,7 +301,7 @@ def equal_wall_time(cluster, args, tmp: Path) -> dict:
 
 def _reference(cluster, args, common: list[str], runs: dict, tmp: Path) -> dict:
     """DDP's eval loss at the tokens each run trained: the loss does not depend on the link, so
-    it comes from a DDP run with the links unshaped (evaluated at eight points up to the most
+    it comes from a DDP run with the links unshaped (evaluated every eighth of the way to the most
     tokens any run trained), where the shaped DDP run trains too few steps to compare."""
     n = args.hosts
     per_step = n * args.batch

@@ -103,12 +103,17 @@ class StagedShardOps:
 
     def _decay(self, pieces: tuple[Piece, ...]) -> Any:
         """The decay mask of `pieces` on the device, built once per range: ZeRO-1/2 update a
-        shard chunk by chunk, each chunk its own pieces, every step."""
+        shard chunk by chunk, each chunk its own pieces, every step. A chunk whose pieces all
+        decay (or none does) gets one flag, not a byte per element kept beside its moments."""
         masks = self._masks
         if pieces not in masks:
-            mask = np.zeros(sum(pc.end - pc.start for pc in pieces), bool)
-            for pc in pieces:
-                mask[pc.at:pc.at + pc.end - pc.start] = decays(self.shapes[pc.index])
+            flags = {decays(self.shapes[pc.index]) for pc in pieces}
+            if len(flags) <= 1:
+                mask = np.asarray(flags.pop() if flags else False)
+            else:
+                mask = np.zeros(sum(pc.end - pc.start for pc in pieces), bool)
+                for pc in pieces:
+                    mask[pc.at:pc.at + pc.end - pc.start] = decays(self.shapes[pc.index])
             masks[pieces] = self.array(mask)
         return masks[pieces]
 
