@@ -100,20 +100,23 @@ class StagedShardOps:
     shapes: list[tuple[int, ...]]
     array: Callable[[np.ndarray], Any]
     _masks: dict[tuple[Piece, ...], Any]  # each subclass's __init__ starts it empty
+    _mixed: tuple[Piece, ...] | None = None  # the one kept mask that is not a single flag
 
     def _decay(self, pieces: tuple[Piece, ...]) -> Any:
-        """The decay mask of `pieces` on the device, built once per range: ZeRO-1/2 update a
-        shard chunk by chunk, each chunk its own pieces, every step. A chunk whose pieces all
-        decay (or none does) gets one flag, not a byte per element kept beside its moments."""
+        """The decay mask of `pieces` on the device. A chunk inside parameters that all decay (or
+        none does) gets one flag, kept; a chunk that mixes them a byte per element, only the
+        latest kept (keeping all would add a byte per shard element beside the moments)."""
         masks = self._masks
         if pieces not in masks:
             flags = {decays(self.shapes[pc.index]) for pc in pieces}
-            if len(flags) <= 1:
-                mask = np.asarray(flags.pop() if flags else False)
-            else:
+            if len(flags) > 1:
                 mask = np.zeros(sum(pc.end - pc.start for pc in pieces), bool)
                 for pc in pieces:
                     mask[pc.at:pc.at + pc.end - pc.start] = decays(self.shapes[pc.index])
+                masks.pop(self._mixed, None)
+                self._mixed = pieces
+            else:
+                mask = np.asarray(flags.pop() if flags else False)
             masks[pieces] = self.array(mask)
         return masks[pieces]
 
