@@ -21,10 +21,7 @@ from typing import Any
 import yaml
 
 from .optim import OPTIMIZERS
-
-
-class ConfigError(ValueError):
-    """A one-line, user-facing problem with the configuration."""
+from .problems import ConfigError
 
 
 _RANK_KEY = re.compile(r"rank\d+")
