@@ -23,7 +23,6 @@ import yaml
 from .optim import OPTIMIZERS
 from .problems import ConfigError
 
-
 _RANK_KEY = re.compile(r"rank\d+")
 
 

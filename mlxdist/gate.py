@@ -21,7 +21,6 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
