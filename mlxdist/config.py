@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from . import gate
 from .optim import OPTIMIZERS
 from .problems import ConfigError
 
@@ -434,12 +435,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"{source}: config file not found")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{source}:{line} is not valid YAML") from None
+        loaded = gate.read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{source}: expected a mapping at the top level")
         data = loaded

@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
+from . import gate
 from .config import Config
 from .engine.torch_grads import ParamGradients
 from .yourloop import session as _session
@@ -151,21 +152,53 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
     return _session.save_checkpoint(_NAME, run_dir, step, arrays, opt_arrays, meta, keep_last, tensors)
 
 
-def load_checkpoint(where: str | Path, model: torch.nn.Module, optimizer: Optimizers = None
-                    ) -> dict[str, Any] | None:
+def load_checkpoint(where: str | Path, model: torch.nn.Module, optimizer: Optimizers = None,
+                    classes: Iterable[type | ModuleType] = ()) -> dict[str, Any] | None:
     """The newest whole checkpoint under `where` (a run dir or one `step_N`) into `model`
     (strictly) and `optimizer` (or the list of them saved), on every rank; returns {"step": N,
     **state} with tensors as they were saved (`md.rows` ones: this rank's rows), or None when
-    there is none yet. Any number of ranks can load what any number saved."""
+    there is none yet. Any number of ranks can load what any number saved.
+
+    A checkpoint is data: it never names code that runs. A dataclass saved in `state` comes
+    back as its class only when that class is in `classes` (a class, or a module whose
+    dataclasses are all welcome); otherwise as a dict of its fields, and said once."""
     tensors: dict[str, np.ndarray] = {}
     found = _session.load_checkpoint(_NAME, where, tensors)
     if found is None:
         return None
     arrays, opt_arrays, meta = found
     own = model.state_dict()
-    model.load_state_dict({n: torch.from_numpy(np.array(a)).to(own[n].dtype if n in own else None)
-                           for n, a in arrays.items()}, strict=True)
+    with _one_line(f"{_NAME}.load_checkpoint({where}): the model's state", "load it into the model it was saved from"):
+        model.load_state_dict({n: torch.from_numpy(np.array(a)).to(own[n].dtype if n in own else None)
+                               for n, a in arrays.items()}, strict=True)
     opts = _optimizers(optimizer)
+    with _one_line(f"{_NAME}.load_checkpoint({where}): the optimizer state",
+                   "pass the optimizers it was saved with, in that order"):
+        _load_optimizers(where, opts, opt_arrays, meta)
+    unpack = _Unpacker(f"{_NAME}.load_checkpoint({where})", tensors, _welcome(classes))
+    user = {k: unpack.state(k, v) for k, v in meta["user"].items()}
+    for note in unpack.notes:
+        _say(_session.current(_NAME), note)
+    return {"step": meta["step"], **user}
+
+
+@contextmanager
+def _one_line(what: str, fix: str) -> Iterator[None]:
+    """torch's own refusals of a state dict (several lines, a traceback) as the one line a
+    checkpoint from elsewhere gets."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        if isinstance(e, _session.ConfigError):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        err = _session.ConfigError(f"{what} does not fit ({first[:300]}); {fix}")
+        err.quiet = _session.current(_NAME).rank != 0
+        raise err from None
+
+
+def _load_optimizers(where: str | Path, opts: list[torch.optim.Optimizer], opt_arrays: dict[str, np.ndarray],
+                     meta: dict[str, Any]) -> None:
     if opts:
         if "param_groups" not in meta:
             raise _session.ConfigError(f"{_NAME}.load_checkpoint({where}): the checkpoint holds no optimizer state "
@@ -179,8 +212,6 @@ def load_checkpoint(where: str | Path, model: torch.nn.Module, optimizer: Optimi
             prefix, groups = (f"{j}:", meta["param_groups"][j]) if several else ("", meta["param_groups"])
             scalars = meta["scalars"][j] if several else meta["scalars"]
             opt.load_state_dict(_unpack_optimizer(prefix, opt_arrays, groups, scalars))
-    user = {k: _unpack_state(k, v, tensors) for k, v in meta["user"].items()}
-    return {"step": meta["step"], **user}
 
 
 def _ranks_equal(step: int, arrays: dict[str, np.ndarray]) -> bool:
@@ -276,7 +307,7 @@ def _pack_tree(tree: Any, key: str, out: dict[str, np.ndarray]) -> Any:
                                        "string; use string keys (or save a tensor of the values)")
         return {"dict": {k: _pack_tree(v, f"{key}.{k}", out) for k, v in tree.items()}}
     if isinstance(tree, (list, tuple)):
-        return {type(tree).__name__: [_pack_tree(v, f"{key}.{i}", out) for i, v in enumerate(tree)]}
+        return {"list" if isinstance(tree, list) else "tuple": [_pack_tree(v, f"{key}.{i}", out) for i, v in enumerate(tree)]}
     try:
         json.dumps(tree)
     except (TypeError, ValueError):
@@ -285,39 +316,95 @@ def _pack_tree(tree: Any, key: str, out: dict[str, np.ndarray]) -> Any:
     return {"value": tree}
 
 
-def _unpack_state(name: str, value: Any, tensors: dict[str, np.ndarray]) -> Any:
-    if isinstance(value, dict) and "__md_rows__" in value:
-        s = _session.current(_NAME)
-        mine = {k: a for k, a in tensors.items() if k == f"rows/{name}" or k.startswith(f"rows/{name}.")}
-        sizes = {a.shape[0] for a in mine.values()}
-        if len(sizes) > 1:
-            raise _session.ConfigError(f"{_NAME}.load_checkpoint: md.rows({name}) holds tensors of {sorted(sizes)} "
-                                       "rows; each must have the global batch's rows (save them so)")
-        begin, end = _session.my_slice(s.shares(sizes.pop()), s.rank) if sizes else (0, 0)
-        return _unpack_tree(value["__md_rows__"], {k: a[begin:end] for k, a in mine.items()})
-    if isinstance(value, dict) and "__md_tensors__" in value:
-        return _unpack_tree(value["__md_tensors__"], tensors)
-    return value
+def _welcome(classes: Iterable[type | ModuleType]) -> dict[str, type]:
+    """The dataclasses a loading script hands in, by the name a checkpoint stores for them."""
+    found: dict[str, type] = {}
+    for c in classes:
+        members = vars(c).values() if isinstance(c, ModuleType) else [c]
+        for m in members:
+            if isinstance(m, type) and dataclasses.is_dataclass(m):
+                found[f"{m.__module__}:{m.__qualname__}"] = m
+    return found
 
 
-def _unpack_tree(tree: dict, arrays: dict[str, np.ndarray]) -> Any:
-    if "tensor" in tree:
-        t = torch.from_numpy(np.array(arrays[tree["tensor"]])).to(getattr(torch, tree["dtype"]))
-        return t if tree["cpu"] else t.to(_session.current(_NAME).device)
-    if "ndarray" in tree:
-        return np.array(arrays[tree["ndarray"]])
-    if "dataclass" in tree:
-        module, _, qualname = tree["dataclass"].partition(":")
-        cls: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-        return cls(**{k: _unpack_tree(v, arrays) for k, v in tree["fields"].items()})
-    if "dict" in tree:
-        return {k: _unpack_tree(v, arrays) for k, v in tree["dict"].items()}
-    if "list" in tree or "tuple" in tree:
-        kind = list if "list" in tree else tuple
-        return kind(_unpack_tree(v, arrays) for v in tree[kind.__name__])
-    return tree["value"]
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+class _Unpacker:
+    """A checkpoint's state trees back into values: tensors from the arrays beside them,
+    dataclasses only of the classes the loading script welcomed. A tree is a file from
+    elsewhere, so each node is checked and a bad one is one line naming the checkpoint."""
+
+    def __init__(self, where: str, arrays: dict[str, np.ndarray], welcome: dict[str, type]):
+        self.where, self.arrays, self.welcome = where, arrays, welcome
+        self.notes: list[str] = []
+
+    def state(self, name: str, value: Any) -> Any:
+        if isinstance(value, dict) and "__md_rows__" in value:
+            s = _session.current(_NAME)
+            mine = {k: a for k, a in self.arrays.items() if k == f"rows/{name}" or k.startswith(f"rows/{name}.")}
+            sizes = {a.shape[0] if a.ndim else 0 for a in mine.values()}
+            if len(sizes) > 1:
+                raise self._bad(f"md.rows({name}) holds tensors of {sorted(sizes)} rows; each must have the global "
+                                "batch's rows (save them so)")
+            begin, end = _session.my_slice(s.shares(sizes.pop()), s.rank) if sizes else (0, 0)
+            return _Unpacker(self.where, {k: a[begin:end] for k, a in mine.items()}, self.welcome)._tree(
+                value["__md_rows__"], name, 0, self.notes)
+        if isinstance(value, dict) and "__md_tensors__" in value:
+            return self._tree(value["__md_tensors__"], name, 0, self.notes)
+        return value
+
+    def _tree(self, tree: Any, path: str, depth: int, notes: list[str]) -> Any:
+        if not isinstance(tree, dict) or len(tree) not in (1, 2, 3) or depth > 64:
+            raise self._bad(f"state '{path}' is not a tree mlxdist wrote")
+        if "tensor" in tree:
+            t = torch.from_numpy(np.array(self._array(tree["tensor"], path)))
+            dtype = _TORCH_DTYPES.get(tree.get("dtype"))
+            if dtype is None:
+                raise self._bad(f"state '{path}' has the dtype {tree.get('dtype')!r}, not a tensor dtype")
+            t = t.to(dtype)
+            return t if tree.get("cpu", True) is True else t.to(_session.current(_NAME).device)
+        if "ndarray" in tree:
+            return np.array(self._array(tree["ndarray"], path))
+        if "dataclass" in tree:
+            fields = tree.get("fields")
+            if not isinstance(fields, dict):
+                raise self._bad(f"state '{path}' is a dataclass with no fields")
+            values = {k: self._tree(v, f"{path}.{k}", depth + 1, notes) for k, v in fields.items()}
+            name = str(tree["dataclass"])
+            cls = self.welcome.get(name)
+            if cls is None:
+                note = (f"{_NAME}.load_checkpoint: state '{path}' was saved as the dataclass {name[:200]}; it comes "
+                        f"back as a dict of its fields (a checkpoint names no code to run): pass "
+                        f"classes=[{name.rpartition(':')[2].rpartition('.')[2][:80]}] to load_checkpoint for the class")
+                if note not in notes:
+                    notes.append(note)
+                return values
+            wanted = {f.name for f in dataclasses.fields(cls) if f.init}
+            if set(values) != wanted:
+                raise self._bad(f"state '{path}' holds the fields {sorted(values)} of {name}, the class given has "
+                                f"{sorted(wanted)}; load with the class it was saved with")
+            return cls(**values)
+        if "dict" in tree and isinstance(tree["dict"], dict):
+            return {k: self._tree(v, f"{path}.{k}", depth + 1, notes) for k, v in tree["dict"].items()}
+        for kind in (list, tuple):
+            if isinstance(tree.get(kind.__name__), list):
+                return kind(self._tree(v, f"{path}.{i}", depth + 1, notes) for i, v in enumerate(tree[kind.__name__]))
+        if "value" in tree:
+            return gate.check(tree["value"], gate.Tree(), self.where, path)
+        raise self._bad(f"state '{path}' is not a tree mlxdist wrote")
+
+    def _array(self, key: Any, path: str) -> np.ndarray:
+        if not isinstance(key, str) or key not in self.arrays:
+            raise self._bad(f"state '{path}' names the array {str(key)[:80]!r}, which the checkpoint does not hold")
+        return self.arrays[key]
+
+    def _bad(self, problem: str) -> _session.ConfigError:
+        err = _session.ConfigError(f"{self.where}: {problem}; is it the right checkpoint, or was it edited?")
+        err.quiet = _session.current(_NAME).rank != 0
+        return err
 
 
 def _gather_rows(name: str, mine: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -48,6 +48,8 @@ import safetensors.numpy as st
 import zstandard
 from safetensors import SafetensorError
 
+from .. import gate
+
 MANIFEST = "manifest.json"
 EXTRA_FILES = ("ema", "task")  # array files of optional parts, beside model, optimizer and sync
 _UMASK = os.umask(0o22)
@@ -120,12 +122,13 @@ def write_arrays(path: Path, arrays: dict[str, np.ndarray], level: int | None = 
 def read_arrays(path: Path) -> dict[str, np.ndarray]:
     """An array file of either kind, by its suffix (writable arrays, not views of the file)."""
     try:
-        if path.suffix == ".zst":
-            return from_safetensors(zstandard.ZstdDecompressor().decompress(path.read_bytes()))
+        if path.suffix == ".zst":  # decompressed in pieces against a cap: a small file may declare GiBs
+            return from_safetensors(gate.decompress_zstd(path, "compressed array file"))
+        gate.regular_file(path, "array file")
         return st.load_file(str(path))
     # Whole by its sha256, yet not ours to read: another tool's file, or a dtype numpy lacks
     # (BF16: checkpoints hold fp32 master weights, never bfloat16).
-    except (SafetensorError, zstandard.ZstdError, KeyError) as e:
+    except (SafetensorError, zstandard.ZstdError, KeyError, gate.FileRefused) as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
 
 
@@ -300,10 +303,16 @@ def verify(path: Path, cached: bool = False) -> str | None:
     if not mf.is_file():
         return "no manifest (write did not finish)"
     try:
-        manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError:
-        return "manifest is not valid JSON"
-    for name, info in manifest.get("files", {}).items():
+        manifest = gate.read_json(mf, "manifest", MANIFEST_SPEC, max_bytes=MiB)
+    except gate.FileRefused as e:
+        return f"manifest unreadable ({str(e).removeprefix(str(mf) + ': ')})"
+    files = manifest["files"]
+    if not files.keys() & {"state.json"} or not any(n in files for n in _required("model")):
+        return "the manifest does not list state.json and the model's weights"
+    unlisted = sorted(n for n in _data_files(path) if n not in files)
+    if unlisted:  # a file the loader would read that no checksum covers
+        return f"{unlisted[0]} is not in the manifest"
+    for name, info in files.items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
@@ -311,6 +320,42 @@ def verify(path: Path, cached: bool = False) -> str | None:
             return f"{name} fails its sha256 check"
     _WHOLE.add(_signature(path))
     return None
+
+
+def _required(name: str) -> tuple[str, str]:
+    return array_file(name, None), array_file(name, 0)
+
+
+def _data_files(path: Path) -> list[str]:
+    """The files of `path` that `load` reads: state.json and every array file. Other files (a
+    hook's export beside the checkpoint) are not part of it."""
+    return [f.name for f in path.iterdir()
+            if f.name == "state.json" or f.name.endswith((".safetensors", ".safetensors.zst"))]
+
+
+MiB = 1 << 20
+_FILE_NAME = gate.Where(gate.Str(255), lambda n: None if re.fullmatch(r"[A-Za-z0-9_.-]+", n) and n not in (".", "..")
+                        else "is not a file name of a checkpoint")
+MANIFEST_SPEC = gate.Dict({
+    "step": gate.Int(), "created": gate.Float(), "run_id": gate.Maybe(gate.Str(200)),
+    "files": gate.Dict(values=gate.Dict({"sha256": gate.Str(64), "bytes": gate.Int()}, required=("sha256", "bytes")),
+                       max_len=1000)}, required=("files",), values=gate.Tree())
+
+# state.json: what the trainer and your-loop checkpoints read from it (other keys: plain data).
+_RUN = {"step": gate.Int(), "position": gate.Int(), "lr_scale": gate.Float(lo=1e-30, hi=1e30),
+        "plateau_scale": gate.Float(lo=1e-30, hi=1e30), "eval_loss": gate.Maybe(gate.Float(finite=False)),
+        "best_eval": gate.Maybe(gate.Float(finite=False)), "run_id": gate.Maybe(gate.Str(200))}
+STATE_SPEC = gate.Dict({
+    **_RUN, "optimizer_step": gate.Int(), "controllers": gate.Dict(values=gate.Tree()), "world_size": gate.Int(lo=1),
+    "hosts": gate.List(gate.Str(), max_len=100_000), "engine": gate.Str(50), "config": gate.Dict(values=gate.Tree()),
+    "global_batch": gate.Maybe(gate.Int(lo=1)), "base_fingerprint": gate.Maybe(gate.Str(200)),
+    "base_files": gate.Dict(values=gate.Tree()), "your_loop": gate.Str(50),
+    "loop_state": gate.Dict(values=gate.Tree())}, required=("step",), values=gate.Tree())
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's `state.json`, checked: a step, numbers in range, plain data elsewhere."""
+    return gate.read_json(path / "state.json", "checkpoint state", STATE_SPEC)
 
 
 def _known_whole(path: Path) -> bool:
@@ -333,8 +378,8 @@ def run_id_of(path: str | Path) -> str | None:
     runs had ids (or whose files cannot be read)."""
     for name in (MANIFEST, "state.json"):
         try:
-            found = json.loads((Path(path) / name).read_text()).get("run_id")
-        except (OSError, ValueError, AttributeError):
+            found = gate.read_json(Path(path) / name, name, max_bytes=gate.JSON_BYTES).get("run_id")
+        except (gate.FileRefused, AttributeError):
             continue
         if found is not None:
             return str(found)
@@ -365,8 +410,7 @@ def load(path: str | Path, verified: bool = False) -> Loaded:
     # Checkpoints from before the sync strategy had a file of its own kept it in the optimizer's.
     legacy = [k for k in optimizer if k.startswith("outer.")]
     sync.update({k[len("outer."):]: optimizer.pop(k) for k in legacy})
-    return Loaded(path=p, weights=arrays("model"), optimizer=optimizer,
-                  state=json.loads((p / "state.json").read_text()), sync=sync,
+    return Loaded(path=p, weights=arrays("model"), optimizer=optimizer, state=read_state(p), sync=sync,
                   extra={name: arrays(name) for name in EXTRA_FILES if (p / array_file(name, None)).is_file()})
 
 
@@ -428,7 +472,10 @@ def apply_retention(directory: str | Path, keep_last: int, keep_best: bool,
     if keep_best:
         scored = []
         for p in valid:
-            loss = json.loads((p / "state.json").read_text()).get("eval_loss")
+            try:
+                loss = read_state(p).get("eval_loss")
+            except gate.FileRefused:
+                continue
             if loss is not None:
                 scored.append((loss, p))
         if scored:

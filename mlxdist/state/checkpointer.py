@@ -258,7 +258,7 @@ def probe(run_dir: Path) -> dict:
     path = newest_whole(run_dir, lambda m: unusable.append(m))
     newest = None
     if path is not None:
-        state = json.loads((path / "state.json").read_text())
+        state = ckpt.read_state(path)
         newest = {"path": str(path), "step": int(state.get("step", _step(path))),
                   "global_batch": state.get("global_batch")}
     return {"host": socket.gethostname(), "newest": newest, "unusable": unusable}

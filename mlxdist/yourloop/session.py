@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import gate
 from ..cluster.world import World, init_world
 from ..config import Config, ConfigError, load_config
 from ..control.split import proportional_split
@@ -267,6 +268,36 @@ def save_checkpoint(module: str, run_dir: str | os.PathLike, step: int, model: d
     return path
 
 
+_LOOP_STATE = gate.Dict({"step": gate.Int(), "your_loop": gate.Str(50),
+                         "loop_state": gate.Dict({"user": gate.Dict(values=gate.Tree())}, values=gate.Tree())},
+                        required=("step", "loop_state"), values=gate.Tree())
+
+
+def _read_checkpoint(module: str, where: str | os.PathLike) -> Any:
+    """Rank 0's read of the newest whole checkpoint under `where` (None: there is none yet), its
+    state checked as a loop's; any problem is one line naming the checkpoint."""
+    from ..state import checkpoint as ckpt
+
+    p = Path(where)
+    if (p / ckpt.MANIFEST).is_file():
+        loaded = ckpt.load(p)
+    else:
+        root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        loaded = ckpt.load_latest(root, warn=lambda m: sys.stderr.write(f"{module}: {m}\n"))
+        unverified = [] if loaded is not None else [f"{c.name}: {ckpt.verify(c)}" for c in ckpt.list_checkpoints(root)]
+        if unverified:  # starting over would write new steps over them
+            raise ConfigError(f"{module}.load_checkpoint({where}): none of its {len(unverified)} checkpoint(s) "
+                              f"verifies ({'; '.join(unverified)}); nothing was changed: look at them, then move them "
+                              f"out of {where} to start afresh (a new run would write its steps over them)")
+    if loaded is None:
+        return None
+    if "loop_state" not in loaded.state:
+        raise ConfigError(f"{module}.load_checkpoint({where}): a checkpoint of mlxdist's trainer, not of a loop "
+                          "(resume it with python -m mlxdist.train --resume)")
+    gate.check(loaded.state, _LOOP_STATE, loaded.path / "state.json")
+    return loaded
+
+
 def load_checkpoint(module: str, where: str | os.PathLike, tensors: dict[str, np.ndarray] | None = None
                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]] | None:
     """Rank 0 reads the newest whole checkpoint under `where` (a run dir, its `checkpoints/`,
@@ -275,28 +306,20 @@ def load_checkpoint(module: str, where: str | os.PathLike, tensors: dict[str, np
     from ..state import checkpoint as ckpt
 
     s = current(module)
-    loaded, unverified = None, []
+    loaded, problem = None, None
     if s.world.is_main:
-        p = Path(where)
-        if (p / ckpt.MANIFEST).is_file():
-            loaded = ckpt.load(p)
-        else:
-            root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-            loaded = ckpt.load_latest(root, warn=lambda m: sys.stderr.write(f"{module}: {m}\n"))
-            unverified = [] if loaded is not None else [f"{c.name}: {ckpt.verify(c)}" for c in ckpt.list_checkpoints(root)]
-    unverified = s.world.bcast(unverified if s.world.is_main else None)
-    if unverified:  # starting over would write new steps over them
-        err = ConfigError(f"{module}.load_checkpoint({where}): none of its {len(unverified)} checkpoint(s) verifies "
-                          f"({'; '.join(unverified)}); nothing was changed: look at them, then move them out of {where} "
-                          "to start afresh (a new run would write its steps over them)")
+        try:
+            loaded = _read_checkpoint(module, where)
+        except (ConfigError, ckpt.CheckpointError) as e:  # every rank ends with the same one line
+            problem = str(e)
+    problem = s.world.bcast(problem)
+    if problem:
+        err = ConfigError(problem)
         err.quiet = s.rank != 0
         raise err
     found = s.world.bcast(None if loaded is None else loaded.state)
     if found is None:
         return None
-    if "loop_state" not in found:
-        raise ConfigError(f"{module}.load_checkpoint({where}): a checkpoint of mlxdist's trainer, not of a loop "
-                          "(resume it with python -m mlxdist.train --resume)")
     model = s.world.broadcast_arrays(loaded.weights if s.world.is_main else {})
     optimizer = s.world.broadcast_arrays(loaded.optimizer if s.world.is_main else {})
     if tensors is not None:
