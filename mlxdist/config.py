@@ -25,6 +25,7 @@ from .optim import OPTIMIZERS
 from .problems import ConfigError
 
 _RANK_KEY = re.compile(r"rank\d+")
+_LARGEST_INT = 2**53
 
 
 def _range(lo: float | None = None, hi: float | None = None, choices: tuple = (), help: str = "") -> dict:
@@ -105,9 +106,9 @@ class TrainConfig:
     """Optimisation and the run's cadence."""
 
     steps: int = field(default=250, metadata=_range(1))
-    batch_size: int = field(default=16, metadata=_range(1))
+    batch_size: int = field(default=16, metadata=_range(1, 1 << 24))
     accum: int = field(default=1, metadata=_range(1))
-    global_batch: int | None = field(default=None, metadata=_range(1))
+    global_batch: int | None = field(default=None, metadata=_range(1, 1 << 30))
     max_accum: int = field(default=64, metadata=_range(1))
     lr: float = field(default=3e-3, metadata=_range(0.0, 10.0))
     min_lr_ratio: float = field(default=0.1, metadata=_range(0.0, 1.0))
@@ -159,7 +160,7 @@ class CheckpointConfig:
 class NodeConfig:
     """Per host (`nodes: {HOST|rankN|default: ...}`): that host's share of each step."""
 
-    batch_size: int = field(default=16, metadata=_range(1))
+    batch_size: int = field(default=16, metadata=_range(1, 1 << 24))
     memory_target: float | None = field(default=None, metadata=_range(0.05, 1.0))
 
 
@@ -339,6 +340,9 @@ def _coerce(value: Any, tp: Any, where: str, warnings: list[str] | None = None) 
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > _LARGEST_INT:  # past it, arithmetic in floats (shares, rates) is no longer exact
+                raise ConfigError(f"{where}: {value} is larger than any count a run takes (at most 2**53); "
+                                  "give a smaller number")
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

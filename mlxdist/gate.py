@@ -45,7 +45,9 @@ class FileRefused(ConfigError):
 
 
 def refuse(path: str | os.PathLike, problem: str, fix: str = "") -> FileRefused:
-    return FileRefused(f"{path}: {problem}" + (f"; {fix}" if fix else ""))
+    err = FileRefused(f"{path}: {problem}" + (f"; {fix}" if fix else ""))
+    err.path, err.problem = path, problem  # for a caller that names the file its own way
+    return err
 
 
 # -- files -------------------------------------------------------------------------------------
@@ -442,3 +444,60 @@ def _reason(e: BaseException) -> str:
 
 def _printable(path: Any) -> str:
     return repr(str(path)) if "\x00" in str(path) else str(path)
+
+
+# -- files read while a job runs, and JSON lines ----------------------------------------------
+
+JSONL_LINE_BYTES = 64 * MiB  # one JSONL line (an example, a log event); a file without newlines is not read whole
+
+
+def open_regular(path: str | os.PathLike, what: str = "file") -> tuple[int, os.stat_result]:
+    """A read-only descriptor of a regular file and its stat, taken from the descriptor itself:
+    opened without blocking, so a FIFO put in the file's place after `regular_file` looked is
+    refused, not waited on for good."""
+    regular_file(path, what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError) as e:
+        raise refuse(_printable(path), f"{what} cannot be opened ({_reason(e)})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise refuse(path, f"{what} is not a regular file (a FIFO, device or socket)", f"give a plain file as the {what}")
+    return fd, st
+
+
+def jsonl_lines(path: str | os.PathLike, what: str = "JSONL file", max_line: int = JSONL_LINE_BYTES):
+    """(line number, bytes) of each line of a regular file, read a line at a time; a line longer
+    than `max_line` is refused with its number rather than read into memory."""
+    fd, _ = open_regular(path, what)
+    with os.fdopen(fd, "rb") as f:
+        n = 0
+        while True:
+            try:
+                raw = f.readline(max_line + 1)
+            except OSError as e:
+                raise refuse(f"{path}:{n + 1}", f"{what} cannot be read ({_reason(e)})") from None
+            if not raw:
+                return
+            n += 1
+            if len(raw) > max_line:
+                raise refuse(f"{path}:{n}", f"line is longer than {max_line:,} bytes", f"is it the right {what}?")
+            yield n, raw
+
+
+def parse_json_line(raw: bytes, path: str | os.PathLike, line: int, what: str = "JSONL file") -> Any:
+    """One JSONL line's value, or one line naming `path:line` and the byte or column: the
+    whole-file `decode_utf8`/`parse_json` would count lines from the line itself."""
+    where = f"{path}:{line}"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise refuse(where, f"not UTF-8 text (byte {e.start + 1} of the line)",
+                     f"is it the right {what}? save it as UTF-8") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise refuse(where, f"not valid JSON ({e.msg} at column {e.colno})", "is it cut short?") from None
+    except (ValueError, RecursionError):
+        raise refuse(where, "not valid JSON (nested too deeply)") from None

@@ -223,7 +223,13 @@ def load_checkpoint(where: str | Path, model: Any, optimizer: Any = None) -> dic
         return None
     arrays, opt_arrays, meta = found
     dtypes = {n: a.dtype for n, a in tree_flatten(model.parameters())}
-    model.load_weights([(n, mx.array(a).astype(dtypes.get(n, mx.float32))) for n, a in arrays.items()], strict=True)
+    try:
+        model.load_weights([(n, mx.array(a).astype(dtypes.get(n, mx.float32))) for n, a in arrays.items()], strict=True)
+    except (ValueError, TypeError) as e:  # MLX's strict refusal: a checkpoint of another model
+        err = _session.ConfigError(f"{_NAME}.load_checkpoint({where}): the model's weights do not fit "
+                                   f"({str(e).strip().splitlines()[0][:300]}); load it into the model it was saved from")
+        err.quiet = _session.current(_NAME).rank != 0
+        raise err from None
     if optimizer is not None:
         if not meta.get("optimizer"):
             raise _session.ConfigError(f"{_NAME}.load_checkpoint({where}): the checkpoint holds no optimizer state "

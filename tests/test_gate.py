@@ -254,3 +254,38 @@ def test_the_cli_says_one_line_for_a_config_with_duplicate_keys(tmp_path):
                        text=True, env=env(), timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith(f"error: {cfg}: line 3: key 'train' is given twice")
+
+
+def test_generate_checks_the_weights_before_building_the_model_a_config_describes(trained, tmp_path):
+    """Issue 50, item 5: a checkpoint's config edited to dim 65536 and 512 layers."""
+    run = _copy_run(trained, tmp_path)
+    step = run / "checkpoints" / "step_00000004"
+    state = json.loads((step / "state.json").read_text())
+    state["config"]["model"] |= {"dim": 65536, "n_layers": 512}
+    (step / "state.json").write_text(json.dumps(state))
+    _rehash(step)
+    r = subprocess.run([sys.executable, "-m", "mlxdist.generate", "--checkpoint", str(run), "--max-tokens", "2"],
+                       capture_output=True, text=True, env=env(), timeout=120)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: --checkpoint {run}: its config describes a model of ") and "was it edited?" in line
+    assert "Traceback" not in r.stderr and "allocate" not in r.stderr
+
+
+def test_a_hostfile_slots_count_past_one_machine_is_refused(tmp_path):
+    from mlxdist.launch.hosts import LaunchError, read_hostfile
+
+    hf = tmp_path / "hosts"
+    hf.write_text("studio slots=999999999\n")
+    with pytest.raises(LaunchError, match=r"hostfile .*hosts:1: host 'studio': 'slots=999999999' is more ranks than one "
+                                          r"machine runs \(at most 1024\)"):
+        read_hostfile(hf)
+    hf.write_text("studio slots=8\nmacbook\n")
+    assert [(h.name, h.slots) for h in read_hostfile(hf)] == [("studio", 8), ("macbook", 1)]
+
+
+def test_a_count_too_large_for_exact_arithmetic_is_one_line():
+    with pytest.raises(ConfigError, match=r"train.batch_size: 10+ is larger than any count a run takes"):
+        load_config(None, [f"train.batch_size={10**30}"])
+    with pytest.raises(ConfigError, match=r"nodes.studio.batch_size: 16777217 is above the maximum 16777216"):
+        load_config(None, ["nodes.studio.batch_size=16777217"])

@@ -264,7 +264,7 @@ def test_tensor_state_and_two_optimizers_round_trip_through_a_checkpoint(one_ran
     saved_w, saved_momentum = model.weight.detach().clone(), opts[1].state[model.bias]["momentum_buffer"].clone()
     fresh = _linear(1)
     fresh_opts = [torch.optim.AdamW([fresh.weight], lr=0.1), torch.optim.SGD([fresh.bias], lr=0.1, momentum=0.9)]
-    got = md.load_checkpoint(tmp_path, fresh, fresh_opts)
+    got = md.load_checkpoint(tmp_path, fresh, fresh_opts, classes=[Carry])
     assert got["step"] == 5 and got["epoch"] == 2
     assert torch.equal(fresh.weight, saved_w)
     assert torch.equal(fresh_opts[1].state[fresh.bias]["momentum_buffer"], saved_momentum)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from .. import gate
+
 MIN_MACOS = (26, 2)
 # A Mac upgraded to 26.2 after mlx was installed keeps the wheel without jaccl (same version
 # number, so `pip install -U mlx` does nothing): only a forced reinstall fetches the 26.x build.
@@ -67,10 +69,10 @@ def read_mlx_hostfile(path: str | Path) -> MlxHostfile:
     if not p.is_file():
         raise ValueError(f"hostfile {p}: not found")
     try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"hostfile {p}: not valid JSON ({e.msg} at line {e.lineno}); "
-                         "write it with mlx.distributed_config --output") from None
+        data = gate.read_json(p, "hostfile", max_bytes=1 << 20)
+    except gate.FileRefused as e:
+        raise ValueError(f"hostfile {p}: {re.sub(r'^hostfile (is )?', '', e.problem)}; write it with "
+                         "mlx.distributed_config --output") from None
     if isinstance(data, dict):
         entries, backend, envs = data.get("hosts"), data.get("backend", ""), data.get("envs", [])
     else:
@@ -100,8 +102,11 @@ def read_mlx_hostfile(path: str | Path) -> MlxHostfile:
 
 def is_mlx_hostfile(path: str | Path) -> bool:
     """JSON hostfiles start with '{' or '['; Open MPI ones with a host name."""
+    if not Path(path).is_file():  # a FIFO would block this read for good
+        return False
     try:
-        head = Path(path).read_bytes()[:4096].lstrip()[:1]
+        with open(path, "rb") as f:  # the head only: the file may be large, or not a hostfile
+            head = f.read(4096).lstrip()[:1]
     except OSError:
         return False
     return head in (b"{", b"[")

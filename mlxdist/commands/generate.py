@@ -443,6 +443,24 @@ def _transformers(args: argparse.Namespace, model_path: str, cfg: Config | None,
 _PRETRAINED = {"mlx-lm": _mlx_lm, "transformers": _transformers}  # by the engine registry's `generator`
 
 
+def _check_weights_fit(where: str, cfg: Config, weights: dict) -> None:
+    """The model a checkpoint's config describes is built only when its weights are that
+    model's: a config edited to dim 65536 and 512 layers would otherwise allocate GiBs before
+    any weight is looked at."""
+    from ..models.init import param_shapes
+    from ..models.presets import param_count, resolve
+
+    want = param_shapes(resolve(cfg.model))
+    have = {n: tuple(a.shape) for n, a in weights.items()}
+    wrong = [n for n in want if have.get(n) != want[n]]
+    if wrong:
+        n = wrong[0]
+        raise ckpt.CheckpointError(f"--checkpoint {where}: its config describes a model of {param_count(resolve(cfg.model)):,} "
+                                   f"parameters whose '{n}' is {want[n]}, but its weights hold "
+                                   f"{have.get(n, 'no such array')} ({len(wrong)} differ); the config in "
+                                   "state.json does not match the weights: is it the right checkpoint, or was it edited?")
+
+
 def _preset(args: argparse.Namespace, cfg: Config, weights: dict) -> tuple[list[int], float]:
     """A byte-level model trained here: the engine's own forward and the numpy draw."""
     from ..data.tokenizer import ByteTokenizer
@@ -458,6 +476,7 @@ def _preset(args: argparse.Namespace, cfg: Config, weights: dict) -> tuple[list[
     ids = tok.encode(req.prompt).tolist()
     if not ids:
         raise GenerateError("--prompt: empty; give at least one character")
+    _check_weights_fit(args.checkpoint, cfg, weights)
     engine = make_engine(args.engine, cfg, device=args.device)
     engine.set_weights(weights)
     _write(req.prompt)

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import gate
+
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.gethostname().split(".")[0]}
 NETWORK_TIMEOUT_S = 3.0
 
@@ -33,6 +35,7 @@ class LaunchError(RuntimeError):
 
 # Hostfiles are a few lines; anything larger was not meant as one.
 MAX_HOSTFILE_BYTES = 1 << 20
+MAX_SLOTS = 1024  # ranks on one host: a Mac Studio has 32 cores; 10^9 would become `mpirun -np 10^9`
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 # A name starts with a letter or digit (as in Open MPI's hostfile grammar): never with '-',
 # which ssh, and mpirun's ssh launch, would read as an option.
@@ -74,13 +77,10 @@ def read_hostfile_text(path: str | Path) -> str:
     if not p.is_file():
         raise LaunchError(f"hostfile {p}: not found (or not a file)")
     try:
-        with p.open("rb") as f:
-            data = f.read(MAX_HOSTFILE_BYTES + 1)
-    except OSError as e:
-        raise LaunchError(f"hostfile {p}: cannot read it ({e.strerror or e})") from None
-    if len(data) > MAX_HOSTFILE_BYTES:
-        raise LaunchError(f"hostfile {p}: larger than {MAX_HOSTFILE_BYTES >> 20} MiB, so not a hostfile; "
-                          "write one `NAME slots=N` line per Mac")
+        data = gate.read_bytes(p, "hostfile", MAX_HOSTFILE_BYTES)
+    except gate.FileRefused as e:
+        raise LaunchError(f"hostfile {p}: {re.sub(r'^hostfile (is )?', '', e.problem)}; a hostfile has one `NAME slots=N` "
+                          "line per Mac") from None
     bad = data.find(b"\0")
     try:
         text = data.decode("utf-8")
@@ -115,6 +115,10 @@ def read_hostfile(path: str | Path) -> list[HostEntry]:
             if not _COUNT.fullmatch(value) or int(value) < 1:
                 raise LaunchError(f"hostfile {p}:{n}: host {_shown(name)}: {_shown(opt)} is not a number of "
                                   f"ranks; write {key}=N with N at least 1 (remove the line to leave the host out)")
+            if int(value) > MAX_SLOTS:
+                raise LaunchError(f"hostfile {p}:{n}: host {_shown(name)}: {_shown(opt)} is more ranks than one "
+                                  f"machine runs (at most {MAX_SLOTS}); write the number of ranks for that Mac, "
+                                  "usually 1")
             slots = int(value) if key == "slots" else slots
         hosts.append(HostEntry(name, slots))
     if not hosts:

@@ -95,7 +95,7 @@ carry = Carry(z=torch.full((len(batch["ids"]), 3), float(info.rank)), halted=bat
 rng = torch.get_rng_state()
 md.save_checkpoint(run_dir, 1, model, [sparse, adam], carry=md.rows(carry), rng=rng,
                    ema={"w": model.w.detach() + info.rank}, epoch=3)
-resumed = md.load_checkpoint(run_dir, model, [sparse, adam])
+resumed = md.load_checkpoint(run_dir, model, [sparse, adam], classes=[Carry])
 report["resumed_epoch"] = resumed["epoch"]
 report["resumed_carry_z"] = resumed["carry"].z[:, 0].tolist()
 report["resumed_carry_halted"] = resumed["carry"].halted.tolist()

@@ -19,6 +19,7 @@ import pydantic
 from omegaconf import DictConfig
 from adam_atan2 import AdamATan2
 import mlxdist.torch as md  # md
+import inspect  # md
 
 from puzzle_dataset import PuzzleDataset, PuzzleDatasetConfig, PuzzleDatasetMetadata
 from utils.functions import load_model_class, get_model_source_path
@@ -589,7 +590,7 @@ def launch(hydra_config: DictConfig):
 
     # Train state
     train_state = init_train_state(config, train_metadata, rank=RANK, world_size=WORLD_SIZE)
-    resumed = md.load_checkpoint(config.checkpoint_path, train_state.model, train_state.optimizers) if config.checkpoint_every_steps else None  # md
+    resumed = md.load_checkpoint(config.checkpoint_path, train_state.model, train_state.optimizers, classes=[inspect.getmodule(train_state.model.model)]) if config.checkpoint_every_steps else None  # md: the carry's dataclasses
     if resumed:  # md
         train_state.step, train_state.carry = resumed["step"], resumed["carry"]  # md
     train_loader = md.DistributedIterable(train_loader, config.global_batch_size, start_step=train_state.step)  # md: this rank's rows
