@@ -75,11 +75,11 @@ def read_bytes(path: str | os.PathLike, what: str = "file", max_bytes: int = JSO
                      "is it the right file?")
     try:
         with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+            data = f.read(st.st_size + 1)  # one byte more: a file that grew while being read says so
     except OSError as e:
         raise refuse(path, f"{what} cannot be read ({_reason(e)})") from None
-    if len(data) > max_bytes:  # grew while being read
-        raise refuse(path, f"{what} grew past {max_bytes:,} bytes while being read")
+    if len(data) > st.st_size:
+        raise refuse(path, f"{what} grew while being read", "is something still writing it?")
     return data
 
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import gate
 from .hosts import HostEntry, LaunchError, hostfile_text
 
 PROFILE_FILE = "launch.json"
@@ -78,6 +79,16 @@ def pointer(name: str) -> Path:
     """Where a cluster kept outside CLUSTERS_ROOT leaves its address, so that
     `mlxrun --simcluster NAME` finds it by name alone."""
     return CLUSTERS_ROOT / f"{name}.state-dir"
+
+
+_NAME = gate.Str(255)
+_PROFILE = gate.Dict({
+    "name": _NAME, "hostfile": _NAME, "ssh_agent": gate.Maybe(_NAME), "network": gate.Maybe(gate.Tree()),
+    "signature": gate.Maybe(gate.Str(200)),
+    "hosts": gate.List(gate.Dict({"name": _NAME, "ip": _NAME, "slots": gate.Int(lo=1, hi=1024),
+                                  "aliases": gate.List(_NAME, max_len=64)}, required=("name", "ip"),
+                                 values=gate.Tree()), max_len=10_000)},
+    required=("name", "hostfile", "hosts"), values=gate.Tree())
 
 
 def find_dir(name_or_dir: str, marker: str = PROFILE_FILE) -> Path:
@@ -138,9 +149,11 @@ class ClusterProfile:
 
     @classmethod
     def load(cls, directory: str | Path) -> ClusterProfile:
+        """A profile is a file from elsewhere until its signature says otherwise: read through
+        the gate, paths inside it are plain names."""
         d = Path(directory)
         try:
-            data = json.loads((d / PROFILE_FILE).read_text())
+            data = gate.read_json(d / PROFILE_FILE, "cluster profile", _PROFILE, max_bytes=1 << 20)
             signature = data.pop("signature", None)
             key = _signing_key(create=False)
             signed = (isinstance(signature, str) and key is not None
@@ -149,6 +162,8 @@ class ClusterProfile:
                      for h in data["hosts"]]
             return cls(data["name"], d, d / data["hostfile"], hosts,
                        d / data["ssh_agent"] if data.get("ssh_agent") else None, data.get("network"), signed)
+        except gate.FileRefused as e:
+            raise LaunchError(f"cluster profile {e}") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise LaunchError(f"cluster profile {d / PROFILE_FILE}: cannot read it ({e})") from None
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import gate
 from .checkpoint import from_safetensors, to_safetensors, write_synced
 
 
@@ -67,6 +68,11 @@ def _write_in_shared_folder(path: Path, blob: bytes, tries: int = 5) -> None:
     os.replace(tmp, path)
 
 
+_INFO = gate.Dict({"step": gate.Int(), "rank": gate.Int(), "world_size": gate.Int(lo=1),
+                   "hosts": gate.List(gate.Str(255), max_len=100_000), "optimizer_step": gate.Int(),
+                   "sha256": gate.Str(64)}, required=("step", "rank", "world_size", "hosts", "optimizer_step"))
+
+
 class RankStateMissing(Exception):
     """This rank has no usable file for the step; the message says why."""
 
@@ -78,13 +84,16 @@ def load(root: Path, step: int, rank: int, world_size: int, hosts: list[str]) ->
     if not info_path.is_file() or not data_path.is_file():
         raise RankStateMissing(f"no rank state for step {step} in {root}")
     try:
-        info = RankStateInfo(**json.loads(info_path.read_text()))
-    except (ValueError, TypeError):
-        raise RankStateMissing(f"{info_path} is unreadable") from None
+        info = RankStateInfo(**gate.read_json(info_path, "rank state", _INFO, max_bytes=1 << 20))
+    except gate.FileRefused as e:
+        raise RankStateMissing(f"{info_path} is unreadable ({e.problem})") from None
     if (info.step, info.rank, info.world_size, info.hosts) != (step, rank, world_size, hosts):
         raise RankStateMissing(f"{data_path} was written by another cluster "
                                f"({info.world_size} ranks on {', '.join(info.hosts)})")
-    data = data_path.read_bytes()
+    try:
+        data = gate.read_bytes(data_path, "rank state", max_bytes=gate.DECOMPRESSED_BYTES)
+    except gate.FileRefused as e:
+        raise RankStateMissing(f"{data_path} is unreadable ({e.problem})") from None
     if hashlib.sha256(data).hexdigest() != info.sha256:
         raise RankStateMissing(f"{data_path} fails its sha256 check")
     return from_safetensors(data), info.optimizer_step

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from .. import markers
+from .. import gate, markers
 from ..config import Config, ConfigError, report_to_names
 from .metrics import DECISIONS
 
@@ -364,10 +364,9 @@ def _flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def _saved_ids(run_dir: Path) -> dict[str, str]:
-    try:
-        return json.loads((run_dir / _IDS_FILE).read_text())
-    except (OSError, ValueError):
+    if not (run_dir / _IDS_FILE).is_file():
         return {}
+    return gate.read_json(run_dir / _IDS_FILE, "tracker ids", gate.Dict(values=gate.Str(200)), max_bytes=1 << 20)
 
 
 def _save_ids(run_dir: Path, ids: dict[str, str]) -> None:
