@@ -7,7 +7,7 @@ import pytest
 from mlxdist.control.step_plan import StepPlan
 from mlxdist.data import ByteTokenizer, GlobalSampler, Prefetcher, rank_slice
 from mlxdist.data.datasets import TokenWindows
-from mlxdist.data.shards import TokenStream, read_shards, write_shards
+from mlxdist.data.shards import ShardFile, TokenStream, read_shards, write_shards
 
 
 def test_sampler_is_deterministic_and_a_permutation():
@@ -53,7 +53,7 @@ def test_shards_roundtrip(tmp_path):
     index = write_shards(docs, tmp_path, shard_tokens=8)
     assert index["tokens"] == 15 and len(index["shards"]) == 2
     stream, _ = read_shards(tmp_path)
-    assert len(stream) == 15 and all(isinstance(a, np.memmap) for a in stream.arrays)
+    assert len(stream) == 15 and all(isinstance(a, ShardFile) for a in stream.arrays)
     assert stream.read(0, 15).tolist() == list(range(10)) + list(range(300, 305))
     assert stream.read(7, 12).tolist() == [7, 8, 9, 300, 301]  # crosses the shard boundary
     assert stream.view(8, 15).read(1, 4).tolist() == [9, 300, 301]

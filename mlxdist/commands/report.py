@@ -11,12 +11,13 @@ later on a laptop.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .. import gate
 
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl$")
 _COUNTED = ("drift_repair", "rollback", "balance", "checkpoint")
@@ -36,6 +37,7 @@ class Run:
     other: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     hosts: dict[int, str] = field(default_factory=dict)
     bad_lines: int = 0
+    first_bad: str = ""  # the first unreadable line: file:line and why
 
     @property
     def ranks(self) -> list[int]:
@@ -53,7 +55,24 @@ class Run:
         return f"{self.hosts.get(rank, '?')} rank {rank}"
 
 
+# The fields the report computes with, and what they must be for its arithmetic to hold; the
+# rest of a line is plain data it passes over. sync_s and data_wait_s are divided, so not null.
+_NUMBER = gate.Maybe(gate.Float(finite=False))
+_EVENT = gate.Dict(
+    fields={"event": gate.Str(200), "step": gate.Int(lo=0), "host": gate.Str(),
+            "shares": gate.Maybe(gate.List(gate.Int(), max_len=1 << 16)),
+            "sync_s": gate.Float(finite=False), "data_wait_s": gate.Float(finite=False),
+            **{k: _NUMBER for k in ("loss", "eval_loss", "step_s", "units_per_s", "tokens_per_s",
+                                    "cluster_units_per_s", "cluster_tokens_per_s", "memory_active_bytes",
+                                    "memory_peak_bytes")}},
+    required=("event",), values=gate.Tree())
+_STEPPED = ("step", "eval", "rollback", "balance")  # events the report places by their step
+
+
 def load_run(run_dir: Path) -> Run:
+    """The run's events. A line that cannot be read (half written by a killed rank, not UTF-8,
+    a field of the wrong type) is skipped and counted, and the first one is named in the
+    summary: a post-mortem still comes out of a log with one bad line, and says where it is."""
     logs = run_dir / "logs"
     files = sorted((p for p in logs.glob("rank*.jsonl") if _RANK_FILE.search(p.name)),
                    key=lambda p: int(_RANK_FILE.search(p.name).group(1))) if logs.is_dir() else []
@@ -64,30 +83,33 @@ def load_run(run_dir: Path) -> Run:
         rank = int(_RANK_FILE.search(path.name).group(1))
         by_step: dict[int, dict[str, Any]] = {}
         other: list[dict[str, Any]] = []
-        for line in path.read_text(errors="replace").splitlines():
-            if not line.strip():
-                continue
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                # A rank killed mid-write leaves half a line; one bad line should not cost the report.
-                run.bad_lines += 1
-                continue
-            if not isinstance(e, dict) or "event" not in e:
-                run.bad_lines += 1
-                continue
-            if "host" in e:
-                run.hosts[rank] = str(e["host"])
-            if e["event"] == "step" and "step" in e:
-                # Logs are appended across resumes and rollbacks redo steps: the latest
-                # record of a step is the one whose weights carried on.
-                by_step[int(e["step"])] = e
-            else:
-                other.append(e)
+        try:
+            for n, raw in gate.jsonl_lines(path, "event log"):
+                if not raw.strip():
+                    continue
+                try:
+                    e = gate.check(gate.parse_json_line(raw, path, n, "event log"), _EVENT, f"{path}:{n}")
+                    if e["event"] in _STEPPED and "step" not in e:
+                        raise gate.refuse(f"{path}:{n}", f"a '{e['event']}' event without 'step'")
+                except gate.FileRefused as bad:
+                    run.bad_lines += 1
+                    run.first_bad = run.first_bad or str(bad)
+                    continue
+                if "host" in e:
+                    run.hosts[rank] = e["host"]
+                if e["event"] == "step":
+                    # Logs are appended across resumes and rollbacks redo steps: the latest
+                    # record of a step is the one whose weights carried on.
+                    by_step[e["step"]] = e
+                else:
+                    other.append(e)
+        except gate.FileRefused as e:  # not a regular file, or a line too long to be a log's
+            raise ReportError(str(e)) from None
         run.steps[rank] = [by_step[s] for s in sorted(by_step)]
         run.other[rank] = other
     if not any(run.steps.values()) and not any(run.other.values()):
-        raise ReportError(f"{run_dir}: event logs are empty (did the run reach its first step?)")
+        raise ReportError(f"{run_dir}: event logs are empty (did the run reach its first step?)"
+                          + (f"; {run.bad_lines} unreadable lines, the first: {run.first_bad}" if run.bad_lines else ""))
     return run
 
 
@@ -131,7 +153,7 @@ def summarize(run: Run, run_dir: Path) -> str:
                  f"rollbacks: {counts['rollback']}; balance changes: {counts['balance']}; "
                  f"checkpoints: {counts['checkpoint']}")
     if run.bad_lines:
-        lines.append(f"- unreadable log lines ignored: {run.bad_lines}")
+        lines.append(f"- unreadable log lines ignored: {run.bad_lines} (the first: {run.first_bad})")
     lines += ["", "| rank | host | steps | tokens/s (mean) | sync / step | data wait / step | peak memory |",
               "|---|---|---|---|---|---|---|"]
     all_sync: list[float] = []

@@ -21,13 +21,14 @@ as if it were its own prompt).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import gate
+from ..problems import ConfigError
 from .batch import TokenBatch
 
 
@@ -59,45 +60,42 @@ class InstructStats:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Parsed lines; a bad line is one error naming FILE:LINE and what was expected."""
+    """Parsed lines; a bad line (not UTF-8, not JSON, not one of the three shapes) is one
+    `ConfigError` naming FILE:LINE and what was expected: the file is data from elsewhere,
+    and a FIFO in its place is refused rather than waited on."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            _check_row(row, f"{path}:{n}")
-            out.append(row)
+    for n, raw in gate.jsonl_lines(path, "JSONL file"):
+        if not raw.strip():
+            continue
+        row = gate.parse_json_line(raw, path, n, "JSONL file")
+        _check_row(row, f"{path}:{n}")
+        out.append(row)
     if not out:
-        raise ValueError(f"{path}: no examples (empty file)")
+        raise gate.refuse(path, "no examples (empty file)", "give a JSONL file with one example a line")
     return out
 
 
 def _check_row(row: Any, where: str) -> None:
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        raise gate.refuse(where, f"expected a JSON object, got {type(row).__name__}")
     if "messages" in row:
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+            raise gate.refuse(where, "'messages' must be a non-empty list of {role, content}")
         for i, m in enumerate(msgs):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ValueError(f"{where}: messages[{i}] needs string 'role' and 'content'")
+                raise gate.refuse(where, f"messages[{i}] needs string 'role' and 'content'")
         if not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError(f"{where}: no assistant message, nothing to train on")
+            raise gate.refuse(where, "no assistant message, nothing to train on")
     elif "prompt" in row or "completion" in row:
         for k in ("prompt", "completion"):
             if not isinstance(row.get(k), str):
-                raise ValueError(f"{where}: '{k}' must be a string (shape is {{prompt, completion}})")
+                raise gate.refuse(where, f"'{k}' must be a string (shape is {{prompt, completion}})")
     elif "text" in row:
         if not isinstance(row["text"], str):
-            raise ValueError(f"{where}: 'text' must be a string")
+            raise gate.refuse(where, "'text' must be a string")
     else:
-        raise ValueError(f"{where}: expected a 'text', 'prompt'+'completion' or 'messages' key, "
-                         f"got {sorted(row)}")
+        raise gate.refuse(where, f"expected a 'text', 'prompt'+'completion' or 'messages' key, got {sorted(row)}")
 
 
 def _encode(tok, text: str) -> list[int]:
@@ -265,11 +263,11 @@ def _read_jsonl_source(path: Path) -> tuple[list[dict], list[dict] | None, str]:
     if path.is_dir():
         train_file = path / "train.jsonl"
         if not train_file.exists():
-            raise ValueError(f"data.path: {path} has no train.jsonl")
+            raise ConfigError(f"data.path: {path} has no train.jsonl; put the examples in {path}/train.jsonl")
         valid = next((path / n for n in ("valid.jsonl", "eval.jsonl") if (path / n).exists()), None)
         if valid is not None:
             return read_jsonl(train_file), read_jsonl(valid), str(path)
         path = train_file
     if not path.exists():
-        raise ValueError(f"data.path: {path} does not exist")
+        raise ConfigError(f"data.path: {path} does not exist; give a .jsonl file or a folder with train.jsonl")
     return read_jsonl(path), None, str(path)
