@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..markers import Exit, RestartCounts
+from ..state.run_lock import ELASTIC_ENV
 from .elastic import (
     Copy,
     ElasticSettings,
@@ -153,10 +154,14 @@ class ElasticRun:
         everyone = [h.name for h in self.launch.hosts]
         launch, hosts, dropped = self.launch, list(everyone), []
         counts, failures, extra = RestartCounts(), 0, []
+        # One value for all of this run's jobs: a restarted job may take the run folder's lock
+        # over from the job before it (which has ended), even when that job's writer ran on a
+        # host now gone, on a disk they share.
+        elastic_run = f"{ELASTIC_ENV}={secrets.token_hex(8)}"
         while True:
             tag = secrets.token_hex(4)
             cmd = launch.command([*self.train_args, *extra], python=self.python, tcp_links=self.tcp_links,
-                                 env=[*self.env, *counts.env()], tag=tag)
+                                 env=[*self.env, *counts.env(), elastic_run], tag=tag)
             sup = Supervisor(cmd, n_ranks=launch.n_ranks, hosts=hosts, remote=remote, tag=tag, grace=self.grace)
             watcher = None
             if self.settings.rejoin and dropped:

@@ -34,7 +34,9 @@ from ..engine.memory import MemoryReading
 from ..markers import RestartCounts, announce_complete
 from ..models.build import lm_vocab_size
 from ..state import checkpoint as ckpt
+from ..state import run_lock
 from ..state.checkpointer import (
+    RUN_OUTPUTS,
     Checkpointer,
     claim_for_resume,
     describe,
@@ -67,14 +69,25 @@ class Trainer:
 
     def __init__(self, cfg: Config, engine_name: str = "mlx", device: str = "auto", task: Task | None = None):
         """`task`: what `mlxdist.fit` was given; None: the config's (`task.factory` or the built-in LM).
-        The start, in order: the ranks and the run folder; reporting; the task and its model on
-        every rank; the run plan (what this run decides once, `self.run_plan`); then the parts
-        that read it: the strategy, the data, the controllers, the checkpoints."""
+        The ranks, then the run folder's lock, held until `run` ends (or the start fails)."""
         self.cfg = cfg
         self.world: World = make_world(engine_name, cfg, device)
         w = self.world
-        self.run_dir = Path(cfg.train.out_dir)
-        run_id, claim_notes = self._claim_run_dir()  # before anything is written there
+        self.run_dir = self._run_folder()
+        run_id = w.bcast(ckpt.new_run_id() if w.is_main else None)
+        self._lock, lock_notes = self._lock_run_dir(run_id)  # one run per folder, before anything else there
+        try:
+            self._start(run_id, lock_notes, task, engine_name, device)
+        except BaseException:
+            self.release()
+            raise
+
+    def _start(self, run_id: str, lock_notes: list[str], task: Task | None, engine_name: str, device: str) -> None:
+        """The start, in order: the run folder; reporting; the task and its model on every rank;
+        the run plan (what this run decides once, `self.run_plan`); then the parts that read it:
+        the strategy, the data, the controllers, the checkpoints."""
+        cfg, w = self.cfg, self.world
+        claim_notes = lock_notes + self._claim_run_dir(run_id)  # before anything is written there
         self._start_rank()
         metrics, progress = self._start_reporting(claim_notes)
         self.hosts = w.allgather(w.host)
@@ -104,6 +117,47 @@ class Trainer:
         self._announce(metrics, notes)
 
     # ------------------------------------------------------------------ start-up
+    def _run_folder(self) -> Path:
+        """`train.out_dir`, refused by every rank alike when no folder can have that name."""
+        try:
+            return run_lock.check_out_dir(self.cfg.train.out_dir)
+        except ConfigError as e:
+            raise self.world.agreed_error(str(e)) from None
+
+    def _lock_run_dir(self, run_id: str) -> tuple[run_lock.RunLock | None, list[str]]:
+        """The run folder's lock (`state/run_lock.py`): rank 0's first, then that of the first
+        rank on every other host, on its own disk (replicas, rank state and logs go there; on a
+        shared disk it finds rank 0's, which is this run's). Every rank learns every refusal and
+        all stop together, so a refused start neither hangs nor leaves a lock behind."""
+        w = self.world
+        restarted = RestartCounts.from_env().restarts > 0
+        lock, notes, refused = None, [], None
+        if w.is_main:
+            try:
+                lock, notes = run_lock.take(self.run_dir, run_id, restarted=restarted)
+            except ConfigError as e:
+                refused = str(e)
+        main_host, refused = w.bcast((w.host, refused))
+        refusals = [refused] if refused else []
+        if not refusals:
+            if w.local_rank == 0 and not w.is_main and w.host != main_host:
+                try:
+                    lock, notes = run_lock.take(self.run_dir, run_id, restarted=restarted)
+                except ConfigError as e:
+                    refused = f"{e} (on {w.host})"
+            refusals = [r for r in w.allgather(refused) if r]
+        if refusals:
+            if lock is not None:
+                lock.release()
+            raise w.agreed_error(refusals[0])
+        return lock, notes
+
+    def release(self) -> None:
+        """The run folder is free again: on every way out of the run."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
+
     def _start_rank(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.world.install_signal_handlers()
@@ -196,6 +250,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self.release()
+
+    def _run(self) -> int:
         self.restore(self.checkpoints.for_resume(self.report.say) if self.world.is_main else None)
         self.feed.restart(self.state.step, self.state.position, self.plan)
         stats = None
@@ -511,8 +571,8 @@ class Trainer:
             announce_complete(s.step, self.stop_reason or "completed")
 
     # ------------------------------------------------------------------ helpers
-    def _claim_run_dir(self) -> tuple[str, list[str]]:
-        """This run's id, and lines to say once the log is open. A run that
+    def _claim_run_dir(self, run_id: str) -> list[str]:
+        """Lines to say once the log is open. A run that
         continues none of the checkpoints in train.out_dir (a fresh one, or --resume PATH of
         another run) would mix with them: retention would keep the other run's higher steps
         and delete its own newest, and --resume auto, generation and evaluation would read the
@@ -524,9 +584,8 @@ class Trainer:
         would start over on top of them. Once the folder is this run's, the temporary folders of
         its interrupted saves go."""
         w, cp = self.world, self.cfg.checkpoint
-        run_id = w.bcast(ckpt.new_run_id() if w.is_main else None)
         if RestartCounts.from_env().restarts and cp.resume != "auto":  # the supervisor chose what it resumes
-            return run_id, self._remove_interrupted_saves()
+            return self._remove_interrupted_saves()
         if cp.resume == "auto":
             refusals, notes = w.bcast(claim_for_resume(self.run_dir) if w.is_main else None)
             if refusals:
@@ -539,7 +598,7 @@ class Trainer:
                     "(deletes them)")
                 err.all_ranks, err.quiet = True, not w.is_main
                 raise err
-            return run_id, (notes if w.is_main else []) + self._remove_interrupted_saves()
+            return (notes if w.is_main else []) + self._remove_interrupted_saves()
         fresh = cp.resume == "none"
         # --resume PATH: checkpoints of PATH's run are its own; those from before run ids cannot
         # be told apart, so only another id counts against it.
@@ -547,13 +606,14 @@ class Trainer:
         found = w.allgather((w.host, [str(p) for p in others_in(self.run_dir, lineage)]))
         where = next((r for r, (_, paths) in enumerate(found) if paths), None)  # rank 0's disk first
         if where is None:
-            return run_id, self._remove_interrupted_saves()
+            return self._remove_interrupted_saves()
         host, paths = found[where]
         seen = describe([Path(p) for p in paths], self.run_dir) + (f" on {host}" if where else "")
         if fresh and cp.overwrite:
+            self._refuse_linked_outputs()
             removed = remove_run(self.run_dir) if w.local_rank == 0 else []
             w.barrier("removing the previous run's files (--overwrite)")
-            return run_id, ([f"overwrite: removed the previous run's {', '.join(removed)} from {self.run_dir} "
+            return ([f"overwrite: removed the previous run's {', '.join(removed)} from {self.run_dir} "
                              f"({seen})"] if w.is_main and removed else [])
         what = "another run's checkpoints" if fresh else f"checkpoints of a run other than {cp.resume}'s"
         resume, overwrite = spelling()
@@ -564,6 +624,24 @@ class Trainer:
         err.all_ranks = True  # every rank saw the same gathered lists: all stop, none aborts the others
         err.quiet = not w.is_main  # one line, from rank 0
         raise err
+
+    def _refuse_linked_outputs(self) -> None:
+        """`--overwrite` deletes the previous run's folders, never what a link among them points
+        at (a `checkpoints/` linked to a bigger disk holds that disk's files): every rank learns
+        of a link on any host's disk and all stop, before anything is deleted."""
+        w = self.world
+        linked = w.allgather((w.host, run_lock.linked_outputs(self.run_dir, RUN_OUTPUTS) if w.local_rank == 0 else []))
+        where = next((r for r, (_, links) in enumerate(linked) if links), None)
+        if where is None:
+            return
+        host, links = linked[where]
+        name, target = links[0]
+        shown = ", ".join(f"{n} -> {t}" for n, t in links)
+        raise w.agreed_error(
+            f"train.out_dir {self.run_dir}{f' on {host}' if where else ''}: {shown} "
+            f"{'is a symbolic link' if len(links) == 1 else 'are symbolic links'}, and --overwrite does not delete "
+            f"through a link; nothing was changed: empty {target} yourself (or remove the link: rm "
+            f"{self.run_dir / name}) and start again, or give this run another train.out_dir")
 
     def _remove_interrupted_saves(self) -> list[str]:
         """The temporary folders of this run's saves cut short, gone from every host's disk."""
@@ -662,7 +740,11 @@ class Trainer:
         data = self.task.dataset
         what = self.task.data_summary or f"{len(data)} samples, loss per {self.task.unit.rstrip('s')}"
         say(f"{self.engine.model_summary}; data: {what}")
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        try:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        except OSError as e:
+            raise ConfigError(f"train.out_dir {self.run_dir}: cannot write config.yaml ({e.strerror or e}); "
+                              f"{run_lock.what_to_do(e)}") from None
         say(f"plan: global batch {plan.global_batch} = shares {plan.shares} in micro-batches {plan.micro}"
             f" on {', '.join(self.hosts)}; metrics on :{cfg.metrics.port or 'off'}; run dir {self.run_dir}")
 
