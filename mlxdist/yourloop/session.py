@@ -258,6 +258,7 @@ def save_checkpoint(module: str, run_dir: str | os.PathLike, step: int, model: d
     from ..state import checkpoint as ckpt
 
     s = current(module)
+    _hold_run_dir(module, s, run_dir)
     path = None
     if s.world.is_main:
         root = Path(run_dir) / "checkpoints"
@@ -266,6 +267,32 @@ def save_checkpoint(module: str, run_dir: str | os.PathLike, step: int, model: d
         ckpt.apply_retention(root, keep_last, keep_best=False, newest=path)
     s.world.barrier("waiting for the checkpoint writer", patience=10)
     return path
+
+
+_HELD_DIRS: set[str] = set()
+
+
+def _hold_run_dir(module: str, s: Session, run_dir: str | os.PathLike) -> None:
+    """A run folder holds one run (`state/run_lock.py`): the first save into it takes its lock
+    for the rest of the process, so two scripts saving into one folder do not write over each
+    other's steps. Every rank calls it with the same folder and learns rank 0's answer."""
+    from ..state import run_lock
+
+    key = os.fspath(run_dir)
+    if key in _HELD_DIRS:
+        return
+    refused = None
+    if s.world.is_main:
+        try:
+            for note in run_lock.hold_for_process(run_dir, f"{module}-{os.getpid()}",
+                                                  key=f"{module}.save_checkpoint: run_dir"):
+                sys.stderr.write(f"{module}: {note}\n")
+        except ConfigError as e:
+            refused = str(e)
+    refused = s.world.bcast(refused)
+    if refused:
+        raise s.world.agreed_error(refused)
+    _HELD_DIRS.add(key)
 
 
 _LOOP_STATE = gate.Dict({"step": gate.Int(), "your_loop": gate.Str(50),
