@@ -33,6 +33,7 @@ MiB = 1 << 20
 # before it costs memory. A caller may pass its own.
 JSON_BYTES = 64 * MiB  # state.json with a resolved config and controllers is ~100 KB
 YAML_BYTES = 16 * MiB
+TEXT_BYTES = 4 << 30  # one text document for `prepare`: a whole book is ~1 MB
 YAML_NODES = 1_000_000  # nodes after aliases are expanded (a billion-laughs file has 10^9)
 TREE_DEPTH = 64
 DECOMPRESSED_BYTES = 64 << 30  # an absolute cap on any one decompressed file

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -31,18 +30,20 @@ _OWN = re.compile(r"shard_\d{5,}\.bin(\.tmp)?")
 
 
 def documents(paths: list[Path], field: str) -> Iterator[str]:
+    """Each input's documents, read through the gate: regular files only (a FIFO would hang
+    prepare), a JSONL line at a time, each line a JSON object whose `field` is text."""
     for path in paths:
         if path.suffix in (".jsonl", ".json"):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield json.loads(line)[field]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise ValueError(f"{path}:{n}: not a JSON object with a '{field}' field") from None
+            for n, raw in gate.jsonl_lines(path, "JSONL input"):
+                if not raw.strip():
+                    continue
+                row = gate.parse_json_line(raw, path, n, "JSONL input")
+                if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                    raise ConfigError(f"{path}:{n}: not a JSON object with a '{field}' text field; give --field "
+                                      "the name of the text field of every line")
+                yield row[field]
         else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+            yield gate.read_bytes(path, "text input", max_bytes=gate.TEXT_BYTES).decode("utf-8", errors="replace")
 
 
 def _encoder(model_path: str | None) -> tuple[Callable[[str], np.ndarray], int]:
