@@ -65,7 +65,8 @@ def init(config: str | Path | Config | None = None, backend: str = "auto", stall
     s.device = str(mx.default_device())
     transport = make_transport(s.world, chosen)
     # Two layouts: the host sum's gradients, and the in-graph sum's with the count beside them.
-    _SYNC.update(grad=GradSync(transport), graph=GradSync(transport), backend=chosen)
+    _SYNC.update(grad=GradSync(transport), graph=GradSync(transport), backend=chosen,
+                 nonfinite=_session.nonfinite_policy(_NAME, s), skipped=False)
     return info()
 
 
@@ -110,22 +111,24 @@ def should_stop() -> bool:
 def average_gradients(grads: Any, count: int | mx.array, reduction: str = "mean") -> Any:
     """The gradient tree summed over ranks and divided by the cluster's units. `count`: this
     rank's units; `reduction`: whether the loss was their mean (weighed by `count`) or sum.
-    With no unit anywhere the gradients come back as zeros and a line says so (inside
-    `mx.compile` the zeros only: the line needs the host).
+    With no unit anywhere, or NaN or infinity in the sum, the gradients come back as zeros
+    (the weights stay finite) and `skipped()` is true; the trainer skips such a step, so the
+    loop should too: `if not md.skipped(): optimizer.update(model, grads)` (zeros still move an
+    optimizer with momentum or weight decay). A non-finite sum is counted and said, and
+    `control.max_nonfinite_steps` of them in a row end the job in one line, as in the trainer.
 
     Inside `mx.compile` (mlx-lm's and mlx-examples' compiled steps) the sums, the count's too,
-    are nodes of MLX's graph; out of it, the sum runs as the trainer's does."""
+    are nodes of MLX's graph; out of it, the sum runs as the trainer's does. The graph cannot
+    branch or reach the host, so there a skipped step's gradients are zeros and nothing more:
+    no line, no count, no stop, and `skipped()` refuses to guess."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"{_NAME}.average_gradients: reduction '{reduction}' is not 'mean' or 'sum'")
     s = _session.current(_NAME)
     flat = tree_flatten(grads)
     arrays = [g * count if reduction == "mean" else g for _, g in flat]
     sync = _SYNC["graph"]
-    if s.size == 1 and sync.transport.graph_sum:
-        in_graph = isinstance(count, mx.array)  # nothing to sum: the host path is lazy arithmetic too
-    else:  # every call on N ranks (the host sum evaluates them anyway); the first alone on one
-        in_graph = _traced(arrays) if s.size > 1 or not _SYNC.get("probed") else False
-        _SYNC["probed"] = True
+    in_graph = _traced(arrays)  # every call: the host's check of the sum evaluates them anyway
+    _SYNC["skipped"] = None if in_graph else False  # None: known only inside the graph
     if in_graph:
         if not sync.transport.graph_sum:
             raise _session.ConfigError(
@@ -156,21 +159,36 @@ def _traced(arrays: list[mx.array]) -> bool:
 
 def _average_in_graph(flat: list, arrays: list[mx.array], count: int | mx.array, sync: Any) -> Any:
     """The sum and the count's total in one in-graph exchange (the count rides in the last
-    bucket); a total of 0 gives zeros, as on the host."""
+    bucket, beside how many ranks hold a NaN or infinity); a total of 0, or any rank's
+    non-finite gradients, give zeros, as on the host. The flag is each rank's own, summed, so
+    every rank zeroes the same step: a NaN that reached AdamW's moments would stay there."""
     n = (count if isinstance(count, mx.array) else mx.array(count)).astype(mx.float32).reshape(1)
-    *summed, total = sync.all_sum_in_graph([*arrays, n])
-    total = total.reshape(())
-    return tree_unflatten([(name, mx.where(total > 0, a / mx.maximum(total, 1), 0))
+    bad = 1 - mx.stack([mx.isfinite(a).all() for a in arrays]).all().astype(mx.float32).reshape(1)
+    *summed, totals = sync.all_sum_in_graph([*arrays, mx.concatenate([n, bad])])
+    total, keep = totals[0], (totals[0] > 0) & (totals[1] == 0)
+    return tree_unflatten([(name, mx.where(keep, a / mx.maximum(total, 1), 0))
                            for (name, _), a in zip(flat, summed, strict=True)])
 
 
 def _average_on_host(s: _session.Session, flat: list, arrays: list[mx.array], count: int) -> Any:
+    """The trainer's sum; its finiteness judged on the sums and agreed in the count's own
+    all-reduce, so every rank skips the same step."""
     if s.size > 1:
         arrays, _ = _SYNC["grad"].all_sum(arrays)
-        total = int(s.world.allreduce_sum([float(count)])[0])
+    bad = 0.0 if not arrays or bool(mx.stack([mx.isfinite(a).all() for a in arrays]).all()) else 1.0
+    if s.size > 1:
+        total_f, bad = s.world.allreduce_sum([float(count), bad])
+        total = int(total_f)
     else:
         total = int(count)
+    if total > 0:
+        _session.judge_update(_NAME, s, _SYNC["nonfinite"], not bad,  # the last straw: one line
+                              "the gradients come back as zeros (md.skipped() is true)")
+        if bad:
+            _SYNC["skipped"] = True
+            return tree_unflatten([(n, mx.zeros_like(g)) for (n, g) in flat])
     if total <= 0:
+        _SYNC["skipped"] = True
         s.skipped_steps += 1
         if s.world.is_main:
             from .markers import write_line
@@ -179,6 +197,21 @@ def _average_on_host(s: _session.Session, flat: list, arrays: list[mx.array], co
                        "the gradients are zeros")
         return tree_unflatten([(n, mx.zeros_like(g)) for (n, g) in flat])
     return tree_unflatten([(n, a / total) for (n, _), a in zip(flat, arrays, strict=True)])
+
+
+def skipped() -> bool:
+    """Whether the last `average_gradients` skipped its step (no unit on any rank, or NaN or
+    infinity in the sum), the same on every rank: `if not md.skipped(): optimizer.update(...)`
+    leaves the model and the optimizer as if the step was never taken, as the trainer does.
+    After a sum inside `mx.compile` the answer lives in the graph only (its zeros), so asking
+    is one line rather than a guess a compiled function would bake in."""
+    _session.current(_NAME)
+    if _SYNC.get("skipped") is None:
+        raise _session.ConfigError(
+            f"{_NAME}.skipped(): the last average_gradients summed inside mx.compile, where whether the step is "
+            "skipped is known only in the graph (its gradients came back as zeros there); to skip such steps "
+            "whole, call md.average_gradients and optimizer.update outside the compiled function")
+    return bool(_SYNC["skipped"])
 
 
 def broadcast(model: Any, optimizer: Any = None, root: int = 0) -> None:
@@ -258,4 +291,4 @@ def broadcast_object(obj: Any, root: int = 0) -> Any:
 
 
 __all__ = ["DistributedSampler", "Info", "all_gather", "all_reduce", "average_gradients", "broadcast", "broadcast_object", "info", "init",
-           "load_checkpoint", "save_checkpoint", "shares", "should_stop"]
+           "load_checkpoint", "save_checkpoint", "shares", "should_stop", "skipped"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -440,13 +441,20 @@ class DistributedOptimizer:
     global batch holds them, then this rank's again. Any optimizer's `step()` works, also one
     that takes no closure.
 
+    A step whose summed gradients hold NaN or infinity is skipped on every rank (no update,
+    gradients zeroed), counted and said, as the trainer skips it: one bad batch should not
+    poison the weights and the optimizer's moments for good. `max_nonfinite_steps` of them in a
+    row end the job in one line (default: the config's `control.max_nonfinite_steps`, else the
+    trainer's 10).
+
     The object's class is built per optimizer class (`DistributedAdamW`: this and AdamW), and
     it shares the optimizer's state (`__dict__`): LR schedulers and `isinstance` see the
     optimizer they expect, and `isinstance(opt, DistributedOptimizer)` tells a wrapped one."""
 
     def __new__(cls, optimizer: torch.optim.Optimizer | None = None, model: torch.nn.Module | None = None,
                 reduction: str | None = None, bucket_mb: float = 25.0, wire_dtype: str = "float32",
-                overlap: bool = True, rows: Sequence[torch.Tensor] = ()) -> DistributedOptimizer:
+                overlap: bool = True, rows: Sequence[torch.Tensor] = (),
+                max_nonfinite_steps: int | None = None) -> DistributedOptimizer:
         if cls is not DistributedOptimizer:  # a built class's bare object (copy.deepcopy)
             return super().__new__(cls)
         if optimizer is None or model is None:
@@ -454,14 +462,14 @@ class DistributedOptimizer:
         built = type(f"Distributed{type(optimizer).__name__}", (DistributedOptimizer, type(optimizer)), {})
         dist = object.__new__(built)
         dist.__dict__ = optimizer.__dict__
-        dist._setup(model, reduction, bucket_mb, wire_dtype, overlap, list(rows))
+        dist._setup(model, reduction, bucket_mb, wire_dtype, overlap, list(rows), max_nonfinite_steps)
         return dist
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Nothing: `__new__` made the object, and the optimizer's own `__init__` already ran."""
 
     def _setup(self, model: torch.nn.Module, reduction: str | None, bucket_mb: float, wire_dtype: str,
-               overlap: bool, rows: list[torch.Tensor]) -> None:
+               overlap: bool, rows: list[torch.Tensor], max_nonfinite_steps: int | None = None) -> None:
         from .cluster.transport import make_transport
         from .sync.torch_grad import TorchGradSync
 
@@ -484,6 +492,7 @@ class DistributedOptimizer:
         self._md_grads = ParamGradients([p for _, p in named], model)
         self._md_sync = (TorchGradSync(make_transport(s.world, "mpi4py"), bucket_mb, wire_dtype, overlap)
                          if s.size > 1 else None)
+        self._md_nonfinite = _session.nonfinite_policy(f"{_NAME}.DistributedOptimizer", s, max_nonfinite_steps)
         self._md_count: int | None = None  # units since the last step; None: none given yet
         self._md_armed, self._md_quiet, self._md_synced = False, False, None
 
@@ -524,11 +533,12 @@ class DistributedOptimizer:
             self._md_quiet = False
 
     def synchronize(self, count: int | None = None, *, own_step: bool = False) -> int:
-        """Sum gradients over ranks and divide by the cluster's units; returns those units.
-        `count`: this rank's units when backward was plain `loss.backward()`. Call it before
-        clipping by the global norm; `step()` then does not sum again. `own_step`: the caller
-        steps the wrapped optimizer itself (Lightning, after clipping), so this object's
-        `step()` keeps no record of this sum."""
+        """Sum gradients over ranks and divide by the cluster's units; returns those units, or 0
+        for a step to skip (no unit anywhere; NaN or infinity in the sum: then the gradients are
+        already gone, so an optimizer stepped anyway moves nothing). `count`: this rank's units
+        when backward was plain `loss.backward()`. Call it before clipping by the global norm;
+        `step()` then does not sum again. `own_step`: the caller steps the wrapped optimizer
+        itself (Lightning, after clipping), so this object's `step()` keeps no record of this sum."""
         if count is not None:
             if self._md_reduction == "mean":
                 torch._foreach_mul_([g for g in self._md_grads.gradients() if g is not None], float(count))
@@ -541,16 +551,28 @@ class DistributedOptimizer:
                                "optimizer.step(count=N) (this rank's samples, or units, in the step)")
         s = self._md_session
         grads = self._md_grads.gradients()
+        summed = grads
         if self._md_sync is not None and grads:
             summed, _ = self._md_sync.all_sum(grads)
             self._md_grads.on_gradient_ready(None)
-            total = int(s.world.allreduce_sum([float(self._md_count)])[0])
-        elif s.size > 1:
-            summed, total = grads, int(s.world.allreduce_sum([float(self._md_count)])[0])
+        # Judged on the sums (and the rows' gradients, which every rank will hold), and agreed
+        # in the count's own all-reduce, so every rank skips the same step.
+        bad = 0.0 if _finite([*summed, *(t.grad for t in self._md_rows if t.grad is not None)]) else 1.0
+        if s.size > 1:
+            total_f, bad = s.world.allreduce_sum([float(self._md_count), bad])
+            total = int(total_f)
         else:
-            summed, total = grads, self._md_count
+            total = self._md_count
         self._md_count, self._md_armed = None, False
         if total > 0:
+            _session.judge_update(_NAME, s, self._md_nonfinite, not bad,  # the last straw: one line
+                                  "no update, the gradients zeroed")
+        if total > 0 and bad:
+            self.zero_grad(set_to_none=True)
+            for t in self._md_rows:
+                t.grad = None
+            total = 0
+        elif total > 0:
             with torch.no_grad():
                 for p, g in zip(self._md_grads.params, summed, strict=True):
                     if g is p.grad:
@@ -689,6 +711,13 @@ def _refuse_summed_loss(loss: torch.Tensor) -> None:
                                    "DistributedOptimizer, or reduction='mean' if it is a mean after all")
         err.quiet = _session.current(_NAME).rank != 0
         raise err
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every value is finite, judged by the norm as the trainer's torch engine judges
+    its update: one reduction and one wait for the device, not one per tensor. A norm past
+    float32's range counts as non-finite there too."""
+    return not tensors or math.isfinite(float(torch.nn.utils.get_total_norm(tensors, 2.0)))
 
 
 def _say(s: _session.Session, text: str) -> None:

@@ -20,6 +20,30 @@ class HealthVerdict:
     nonfinite_streak: int = 0
 
 
+class NonfiniteSteps:
+    """Updates skipped for a non-finite loss or gradients: how many, how many in a row, and
+    when to give up. One bad batch is worth skipping; `max_in_a_row` in a row mean the weights
+    or the optimizer's state blew up and no later batch brings them back, so the run should
+    stop rather than spin. The trainer (`HealthMonitor`) and a loop of the user's own
+    (`mlxdist.torch`, `mlxdist.mlx`) keep this one count, so both stop at the same step."""
+
+    def __init__(self, max_in_a_row: int = 10) -> None:
+        if max_in_a_row < 1:
+            raise ValueError("max_nonfinite_steps must be >= 1")
+        self.max_in_a_row = max_in_a_row
+        self.total = 0
+        self.streak = 0
+
+    def observe(self, finite: bool) -> bool:
+        """True when this update is the `max_in_a_row`th skipped in a row: give up."""
+        if finite:
+            self.streak = 0
+            return False
+        self.total += 1
+        self.streak += 1
+        return self.streak >= self.max_in_a_row
+
+
 class HealthMonitor:
     """Decide per step whether to apply, skip, or roll back.
 
@@ -49,20 +73,30 @@ class HealthMonitor:
             raise ValueError("window must be >= 2, max_bad_steps and max_nonfinite_steps >= 1")
         self.window, self.variance_warn = window, variance_warn
         self.max_bad_steps, self.trend_warn = max_bad_steps, trend_warn
-        self.max_nonfinite_steps = max_nonfinite_steps
+        self.nonfinite = NonfiniteSteps(max_nonfinite_steps)
         self._losses: deque[float] = deque(maxlen=window)
         self._bad_streak = 0
-        self.nonfinite_streak = 0
         self._active: set[str] = set()
-        self.nonfinite_total = 0
         self.rollbacks_total = 0
 
+    @property
+    def max_nonfinite_steps(self) -> int:
+        return self.nonfinite.max_in_a_row
+
+    @property
+    def nonfinite_total(self) -> int:
+        return self.nonfinite.total
+
+    @property
+    def nonfinite_streak(self) -> int:
+        return self.nonfinite.streak
+
     def observe(self, step: int, loss: float, grad_norm: float) -> HealthVerdict:
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.nonfinite_total += 1
-            self.nonfinite_streak += 1
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        give_up = self.nonfinite.observe(finite)
+        if not finite:
             self._bad_streak += 1
-            if self.nonfinite_streak >= self.max_nonfinite_steps:
+            if give_up:
                 return self._verdict(step, True, False, [], give_up=True)
             rollback = self._bad_streak >= self.max_bad_steps
             if rollback:
@@ -73,7 +107,6 @@ class HealthMonitor:
                 self._active.clear()
             return self._verdict(step, True, rollback, [])
         self._bad_streak = 0
-        self.nonfinite_streak = 0
         self._losses.append(float(loss))
         return self._verdict(step, False, False, self._warnings())
 
@@ -133,9 +166,9 @@ class HealthMonitor:
         self._losses = deque((float(x) for x in d["losses"]), maxlen=self.window)
         self._bad_streak = int(d["bad_streak"])
         self._active = set(d["active"])
-        self.nonfinite_total = int(d["nonfinite_total"])
+        self.nonfinite.total = int(d["nonfinite_total"])
         self.rollbacks_total = int(d["rollbacks_total"])
-        self.nonfinite_streak = int(d.get("nonfinite_streak", 0))  # absent in checkpoints before it
+        self.nonfinite.streak = int(d.get("nonfinite_streak", 0))  # absent in checkpoints before it
 
 
 class ReduceOnPlateau:

@@ -20,7 +20,8 @@ import numpy as np
 
 from .. import gate
 from ..cluster.world import World, init_world
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError, ControlConfig, load_config
+from ..control.health import NonfiniteSteps
 from ..control.split import proportional_split
 
 
@@ -156,6 +157,45 @@ def should_stop(session: Session) -> bool:
     return any(session.world.allgather(session.world.stop_requested))
 
 
+def nonfinite_policy(module: str, session: Session, max_in_a_row: int | None = None) -> NonfiniteSteps:
+    """The trainer's count of skipped non-finite updates (`control.max_nonfinite_steps`), so a
+    loop of the user's own stops where the trainer would: `max_in_a_row` given, else the
+    config's, else the trainer's default."""
+    if max_in_a_row is None:
+        return NonfiniteSteps((session.config.control if session.config else ControlConfig()).max_nonfinite_steps)
+    if isinstance(max_in_a_row, bool) or not isinstance(max_in_a_row, int) or max_in_a_row < 1:
+        raise ConfigError(f"{module}: max_nonfinite_steps={max_in_a_row!r} is not a whole number >= 1; give how "
+                          "many updates in a row with NaN or infinite gradients end the job (the trainer's "
+                          f"default: {ControlConfig().max_nonfinite_steps})")
+    return NonfiniteSteps(max_in_a_row)
+
+
+def judge_update(module: str, session: Session, policy: NonfiniteSteps, finite: bool, outcome: str) -> None:
+    """After the gradient sum, with `finite` the same on every rank (a NaN on one rank is a NaN
+    in everyone's sum): a non-finite update is counted and said by rank 0, the caller skips it;
+    the `max_nonfinite_steps`th in a row ends the job on every rank together, in one line, as
+    the trainer's does (weights that keep blowing up will not recover by themselves).
+    `outcome`: what the caller does with a skipped step, for the line."""
+    give_up = policy.observe(finite)
+    if finite:
+        return
+    if session.metrics is not None:
+        session.metrics.nonfinite.inc()
+    k = policy.max_in_a_row
+    if give_up:
+        raise session.world.agreed_error(
+            f"{module}: {k} updates in a row skipped, their gradients summed over the ranks holding NaN or "
+            f"infinity (control.max_nonfinite_steps={k}; {policy.total} skipped in all); the job stopped with the "
+            "weights of the last finite update: resume from your last checkpoint with a lower learning rate, "
+            "or look at the data of these steps")
+    if session.world.is_main:
+        from ..markers import write_line
+
+        write_line(f"{module}: step skipped: the gradients summed over the ranks hold NaN or infinity; {outcome} "
+                   f"({policy.total} so far, {policy.streak} in a row; the job stops at "
+                   f"control.max_nonfinite_steps={k} in a row)")
+
+
 def all_reduce(module: str, value: Any, op: str, array_type: type, to_numpy, from_numpy) -> Any:
     """`value` (a number, numpy array or the framework's `array_type`) reduced over ranks, in
     its own type."""
@@ -259,13 +299,22 @@ def save_checkpoint(module: str, run_dir: str | os.PathLike, step: int, model: d
 
     s = current(module)
     _hold_run_dir(module, s, run_dir)
-    path = None
+    path, refused = None, None
     if s.world.is_main:
         root = Path(run_dir) / "checkpoints"
         meta = {"step": int(step), "world_size": s.size, "your_loop": module, "loop_state": state}
-        path = ckpt.save(root, int(step), model, optimizer, meta, extra={"task": tensors} if tensors else None)
-        ckpt.apply_retention(root, keep_last, keep_best=False, newest=path)
-    s.world.barrier("waiting for the checkpoint writer", patience=10)
+        try:
+            path = ckpt.save(root, int(step), model, optimizer, meta, extra={"task": tensors} if tensors else None)
+            ckpt.apply_retention(root, keep_last, keep_best=False, newest=path)
+        except ckpt.CheckpointError as e:  # NaN weights, a full disk: every rank ends with the same line
+            refused = f"{module}.save_checkpoint: {e}"
+            if isinstance(e, ckpt.NonFiniteError):
+                refused += ("; the weights themselves went non-finite (an overflow, or an update made outside "
+                            "mlxdist's gradient sum): resume from the last checkpoint with a lower learning rate")
+    with s.world.watch("waiting for the checkpoint writer", patience=10):
+        refused = s.world.bcast(refused)
+    if refused:
+        raise s.world.agreed_error(refused)
     return path
 
 
