@@ -244,8 +244,35 @@ def save_checkpoint(run_dir: str | Path, step: int, model: Any, optimizer: Any =
     model's parameters (trainable or not), the optimizer's state and `state` (JSON values)."""
     model_arrays = _host(dict(tree_flatten(model.parameters())))
     opt_arrays = _host(dict(tree_flatten(optimizer.state))) if optimizer is not None else {}
+    equal = _session.ranks_equal(_NAME, step, model_arrays)
     return _session.save_checkpoint(_NAME, run_dir, step, model_arrays, opt_arrays,
-                                    {"user": state, "optimizer": optimizer is not None}, keep_last)
+                                    {"user": state, "optimizer": optimizer is not None, "ranks_equal": equal}, keep_last)
+
+
+def sync_state(model: Any, count: int) -> None:
+    """After each step's update: the model's state beyond what trains (BatchNorm's running
+    statistics) agreed across ranks as the trainer keeps it, running statistics averaged by
+    `count` (this rank's samples in the step: 3+5 holds what one process with 8 would),
+    anything else as rank 0 has it. Outside `mx.compile` (it talks to the other ranks);
+    nothing on one rank. Collective."""
+    s = _session.current(_NAME)
+    if s.size == 1:
+        return
+    sync = _STATE.get(id(model))
+    if sync is None:
+        from .engine.model_state import MlxModelState
+        from .sync.model_state import RUNNING_STATS
+
+        trained = {n for n, _ in tree_flatten(model.trainable_parameters())}
+        state = {n: a for n, a in tree_flatten(model.parameters()) if n not in trained}
+        # Made after the first step, whose running statistics are already this rank's own.
+        tracker = MlxModelState(model, lambda: {n: a for n, a in tree_flatten(model.parameters()) if n not in trained},
+                                unmarked=[n for n in state if n.rsplit(".", 1)[-1] in RUNNING_STATS])
+        sync = _STATE[id(model)] = _session.model_state_sync(s, tracker)
+    sync(count)
+
+
+_STATE: dict[int, Any] = {}
 
 
 def load_checkpoint(where: str | Path, model: Any, optimizer: Any = None) -> dict[str, Any] | None:
@@ -291,4 +318,4 @@ def broadcast_object(obj: Any, root: int = 0) -> Any:
 
 
 __all__ = ["DistributedSampler", "Info", "all_gather", "all_reduce", "average_gradients", "broadcast", "broadcast_object", "info", "init",
-           "load_checkpoint", "save_checkpoint", "shares", "should_stop", "skipped"]
+           "load_checkpoint", "save_checkpoint", "shares", "should_stop", "skipped", "sync_state"]

@@ -20,10 +20,8 @@ engine's own sum) and divided by the cluster's units, so a MacBook's 3 samples a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,7 +53,6 @@ def init(config: str | Path | Config | None = None, device: str = "auto", stall_
     script that parses its own arguments (hydra) needs no new option."""
     from .engine.torch_engine import select_device
 
-    config = config if config is not None else os.environ.get("MLXDIST_CONFIG") or None
     s = _session.start("torch", config, "mpi4py", stall_timeout, metrics_port)
     s.device, _ = select_device(device, s.world.local_rank)
     for note in s.notes:
@@ -149,7 +146,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, opti
         meta["param_groups"], meta["scalars"] = meta["param_groups"][0], meta["scalars"][0]
     tensors: dict[str, np.ndarray] = {}
     meta["user"] = {k: _pack_state(k, v, tensors) for k, v in state.items()}
-    meta["ranks_equal"] = _ranks_equal(step, arrays)
+    meta["ranks_equal"] = _session.ranks_equal(_NAME, step, arrays)
     return _session.save_checkpoint(_NAME, run_dir, step, arrays, opt_arrays, meta, keep_last, tensors)
 
 
@@ -213,21 +210,6 @@ def _load_optimizers(where: str | Path, opts: list[torch.optim.Optimizer], opt_a
             prefix, groups = (f"{j}:", meta["param_groups"][j]) if several else ("", meta["param_groups"])
             scalars = meta["scalars"][j] if several else meta["scalars"]
             opt.load_state_dict(_unpack_optimizer(prefix, opt_arrays, groups, scalars))
-
-
-def _ranks_equal(step: int, arrays: dict[str, np.ndarray]) -> bool:
-    """Whether every rank holds rank 0's model state (digests compared, collective): a
-    checkpoint saves rank 0's, so ranks that drifted apart are said, not hidden."""
-    s = _session.current(_NAME)
-    if s.size == 1:
-        return True
-    digests = s.world.allgather({n: hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
-                                 for n, a in arrays.items()})
-    differ = [(r, n) for r, d in enumerate(digests) for n in d if d[n] != digests[0].get(n)]
-    if differ:
-        _say(s, f"{_NAME}.save_checkpoint: step {step}: rank {differ[0][0]}'s {differ[0][1]} differs from rank 0's "
-                f"({len(differ)} tensor(s) on other ranks do): the ranks drifted apart; rank 0's state is saved")
-    return not differ
 
 
 def _optimizers(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
@@ -493,7 +475,9 @@ class DistributedOptimizer:
         self._md_sync = (TorchGradSync(make_transport(s.world, "mpi4py"), bucket_mb, wire_dtype, overlap)
                          if s.size > 1 else None)
         self._md_nonfinite = _session.nonfinite_policy(f"{_NAME}.DistributedOptimizer", s, max_nonfinite_steps)
+        self._md_state = _session.model_state_sync(s, _torch_state(model))
         self._md_count: int | None = None  # units since the last step; None: none given yet
+        self._md_divisors: list[float | None] = []  # what each backward() loss of the step was divided by
         self._md_armed, self._md_quiet, self._md_synced = False, False, None
 
     def backward(self, loss: torch.Tensor, count: int) -> None:
@@ -508,6 +492,7 @@ class DistributedOptimizer:
             _refuse_summed_loss(loss)
         if not self._md_quiet:
             self.send_during_backward()
+        self._md_divisors.append(_constant_divisor(loss))
         (loss * count if self._md_reduction == "mean" else loss).backward()
         self.add_count(count)
 
@@ -549,6 +534,8 @@ class DistributedOptimizer:
         if self._md_count is None:
             raise RuntimeError(f"{_NAME}: step() without a count; use optimizer.backward(loss, count=N) or "
                                "optimizer.step(count=N) (this rank's samples, or units, in the step)")
+        divisors, self._md_divisors = self._md_divisors, []
+        _refuse_divided_by_micro_steps(divisors)
         s = self._md_session
         grads = self._md_grads.gradients()
         summed = grads
@@ -558,12 +545,15 @@ class DistributedOptimizer:
         # Judged on the sums (and the rows' gradients, which every rank will hold), and agreed
         # in the count's own all-reduce, so every rank skips the same step.
         bad = 0.0 if _finite([*summed, *(t.grad for t in self._md_rows if t.grad is not None)]) else 1.0
+        mine = self._md_count
         if s.size > 1:
             total_f, bad = s.world.allreduce_sum([float(self._md_count), bad])
             total = int(total_f)
         else:
             total = self._md_count
         self._md_count, self._md_armed = None, False
+        if self._md_state is not None:  # BatchNorm's running statistics by rows, as the trainer keeps them
+            self._md_state(mine)
         if total > 0:
             _session.judge_update(_NAME, s, self._md_nonfinite, not bad,  # the last straw: one line
                                   "no update, the gradients zeroed")
@@ -623,6 +613,15 @@ class DistributedOptimizer:
             return super().step() if closure is None else super().step(closure)
         finally:
             self._put_back_rows()
+
+
+def _torch_state(model: torch.nn.Module) -> Any:
+    """The model's state beyond what trains (buffers, frozen weights), tracked for changes."""
+    from .engine.model_state import TorchModelState
+
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    return TorchModelState(model, lambda: {n: t for n, t in model.state_dict(keep_vars=True).items()
+                                           if n not in trained})
 
 
 class DistributedSampler(_session.RankSampler, torch.utils.data.Sampler):
@@ -718,6 +717,38 @@ def _finite(tensors: list[torch.Tensor]) -> bool:
     its update: one reduction and one wait for the device, not one per tensor. A norm past
     float32's range counts as non-finite there too."""
     return not tensors or math.isfinite(float(torch.nn.utils.get_total_norm(tensors, 2.0)))
+
+
+def _constant_divisor(loss: torch.Tensor) -> float | None:
+    """c when the loss's last operation divides it by a constant c > 1 (`loss / accum`, or
+    `loss * (1 / accum)`), else None."""
+    fn = loss.grad_fn
+    name = type(fn).__name__ if fn is not None else ""
+    if name not in ("DivBackward0", "MulBackward0"):
+        return None
+    other = getattr(fn, "_saved_other", None)
+    if not isinstance(other, torch.Tensor) or other.ndim or other.requires_grad:
+        return None
+    value = float(other)
+    c = value if name == "DivBackward0" else (1 / value if 0 < value < 1 else 0.0)
+    return c if c > 1 else None
+
+
+def _refuse_divided_by_micro_steps(divisors: list[float | None]) -> None:
+    """A DDP script's accumulation divides each micro-batch's mean loss by the number of
+    micro-steps; `backward(loss, count)` weighs each by its count already, so such a step
+    would be 1/n of what it should be. Refused in one line (it is never what was meant)."""
+    n = len(divisors)
+    if n < 2 or any(d is None or abs(d - n) > 1e-6 * n for d in divisors):
+        return
+    err = _session.ConfigError(
+        f"{_NAME}.DistributedOptimizer.backward: each of this step's {n} losses was divided by {n:g} (the number of "
+        f"micro-steps, as DDP scripts do), but backward(loss, count) already weighs each micro-batch by its count, "
+        f"so the step would be 1/{n:g} of what it should be; either pass each micro-batch's mean loss (drop the "
+        f"'/ {n:g}'), or keep it and run loss.backward() yourself, then optimizer.synchronize(count=THIS_RANKS_SAMPLES"
+        "_IN_THE_STEP) before clipping and step() (docs/your-loop.md, Accumulation)")
+    err.quiet = _session.current(_NAME).rank != 0
+    raise err
 
 
 def _say(s: _session.Session, text: str) -> None:

@@ -36,6 +36,7 @@ from .base import (
 )
 from .common import check_weights, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mlx_memory_limit, with_override
+from .model_state import MlxModelState
 from .staged import Output, ReleasesWeights, Staged, StagedShardOps, model_input
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -77,8 +78,7 @@ class MLXEngine(ReleasesWeights):
         self._update = mx.compile(self._update_all)
         self.own_optimizer = self._make_optimizer(task)
         self._reset_accumulators()
-        self._touched: set[str] = set()
-        self.mark_state()
+        self.model_state = MlxModelState(self.model, self._state_arrays)
         self.capabilities = Capabilities(task.name, own_optimizer=self.own_optimizer is not None,
                                          staged=getattr(self.model, "stages", None) is not None)
 
@@ -354,37 +354,22 @@ class MLXEngine(ReleasesWeights):
         return {n: a for n, a in tree_flatten(self.model.parameters()) if n not in trained}
 
     def get_state(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
-        arrays = self._state_arrays()
-        return {n: np.array(arrays[n].astype(mx.float32) if arrays[n].dtype == mx.bfloat16 else arrays[n])
-                for n in (self.state_names() if names is None else names)}
+        return self.model_state.get_state(names)
 
     def set_state(self, state: dict[str, np.ndarray]) -> None:
-        arrays = self._state_arrays()
-        check_weights({n: tuple(a.shape) for n, a in arrays.items() if n in state}, state)
-        self.model.update(tree_unflatten([(n, mx.array(np.asarray(v)).astype(arrays[n].dtype))
-                                          for n, v in state.items()]))
-        mx.eval(self.model.parameters())
-        self._touched |= set(state)
-        self.mark_state()
+        self.model_state.set_state(state)
 
     def state_names(self) -> list[str]:
-        """The entries saved and kept equal: those that ever changed (BatchNorm's statistics
-        after a step). A frozen base that never changes is fingerprinted, not copied."""
-        self.changed_state()
-        return sorted(self._touched)
+        return self.model_state.state_names()
 
     def has_state(self) -> bool:
-        return bool(self._state_arrays())
+        return self.model_state.has_state()
 
     def changed_state(self) -> list[str]:
-        """Names whose array was replaced since `mark_state`: MLX arrays are immutable, so a
-        module that updates its state (BatchNorm in training) puts a new one in its place."""
-        changed = [n for n, a in self._state_arrays().items() if self._marks.get(n) is not a]
-        self._touched |= set(changed)
-        return changed
+        return self.model_state.changed_state()
 
     def mark_state(self) -> None:
-        self._marks = self._state_arrays()  # holding them keeps an id from being reused
+        self.model_state.mark_state()
 
     def save_adapter(self, out_dir: Path) -> Path | None:
         """The trained adapter in PEFT's layout (None when the whole model trained)."""

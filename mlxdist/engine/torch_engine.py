@@ -48,6 +48,7 @@ from .base import (
 )
 from .common import check_weights, decays, sample_tokens, task_optimizers
 from .memory import MemoryReading, mps_reading, process_reading, with_override
+from .model_state import TorchModelState, state_numpy
 from .staged import Output, ReleasesWeights, Staged, StagedShardOps, model_input
 from .torch_grads import ParamGradients
 
@@ -157,12 +158,6 @@ def _float(x) -> float:
     return float(x.detach()) if torch.is_tensor(x) else float(x)
 
 
-def _state_numpy(t: torch.Tensor) -> np.ndarray:
-    """A copy in the tensor's own dtype (ints stay ints); bf16, which numpy lacks, as fp32."""
-    t = t.detach().to("cpu")
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
-
-
 def flipped(name: str) -> bool:
     """Whether the torch weight `name` is held transposed to its checkpoint layout: PEFT stores
     LoRA factors (`*.lora_a`, `*.lora_b`) transposed to mlx-lm's layout, and checkpoints use
@@ -251,8 +246,7 @@ class TorchEngine(ReleasesWeights):
                                          staged=getattr(self.model, "stages", None) is not None, notes=tuple(notes))
         self._grads = ParamGradients(self._params, self.model)
         self.last_skip_overflow = False
-        self._touched: set[str] = set()
-        self.mark_state()
+        self.model_state = TorchModelState(self.model, self._state_tensors)
         self._reset_accumulators()
         self._by_name = dict(zip(self._names, self._params, strict=True))
         self._shapes = {n: tuple(p.shape) for n, p in self._by_name.items()}
@@ -341,42 +335,22 @@ class TorchEngine(ReleasesWeights):
         return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if n not in trained}
 
     def get_state(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
-        tensors = self._state_tensors()
-        return {n: _state_numpy(tensors[n]) for n in (self.state_names() if names is None else names)}
+        return self.model_state.get_state(names)
 
     def set_state(self, state: dict[str, np.ndarray]) -> None:
-        tensors = self._state_tensors()
-        check_weights({n: tuple(t.shape) for n, t in tensors.items() if n in state}, state)
-        with torch.no_grad():
-            for n, value in state.items():
-                tensors[n].copy_(torch.from_numpy(np.asarray(value)).to(tensors[n].dtype))
-        self._touched |= set(state)
-        self.mark_state()
+        self.model_state.set_state(state)
 
     def state_names(self) -> list[str]:
-        """The entries saved and kept equal: every buffer, and frozen weights that ever
-        changed (a frozen base that never does is fingerprinted, not copied)."""
-        buffers = {n for n, _ in self.model.named_buffers()} & set(self._state_tensors())
-        self.changed_state()
-        return sorted(buffers | self._touched)
+        return self.model_state.state_names()
 
     def has_state(self) -> bool:
-        return bool(self._state_tensors())
+        return self.model_state.has_state()
 
     def changed_state(self) -> list[str]:
-        """Names of state entries written since `mark_state`. An in-place write from Python
-        bumps a tensor's version; BatchNorm's kernel updates its running statistics without
-        one, so buffers (small) are compared with a copy of their agreed values."""
-        changed = [n for n, t in self._state_tensors().items()
-                   if self._marks.get(n) != (t._version, t.data_ptr())
-                   or (n in self._agreed and not torch.equal(t, self._agreed[n]))]
-        self._touched |= set(changed)
-        return changed
+        return self.model_state.changed_state()
 
     def mark_state(self) -> None:
-        tensors = self._state_tensors()
-        self._marks = {n: (t._version, t.data_ptr()) for n, t in tensors.items()}
-        self._agreed = {n: t.detach().clone() for n, t in self.model.named_buffers() if n in tensors}
+        self.model_state.mark_state()
 
     def save_adapter(self, out_dir: Path) -> Path | None:
         """The trained adapter in PEFT's own layout (None when the whole model trained)."""
@@ -427,7 +401,7 @@ class TorchEngine(ReleasesWeights):
             for p, st in opt.state.items():
                 for key, value in st.items():
                     out[f"opt{i}.{names.get(id(p), id(p))}.{key}"] = (
-                        _state_numpy(value) if torch.is_tensor(value) else np.asarray(value))
+                        state_numpy(value) if torch.is_tensor(value) else np.asarray(value))
         return out
 
     def set_optimizer_state(self, state: dict[str, np.ndarray], step: int) -> None:

@@ -109,6 +109,8 @@ def start(framework: str, config: str | os.PathLike | Config | None = None, back
     if _SESSION is not None:
         return _SESSION
     refuse_torchrun()
+    # $MLXDIST_CONFIG names it for a script that parses its own arguments (hydra), in both APIs.
+    config = config if config is not None else os.environ.get("MLXDIST_CONFIG") or None
     cfg = config if isinstance(config, Config) or config is None else load_config(config)
     world = init_world(backend)
     world.install_signal_handlers()
@@ -117,6 +119,10 @@ def start(framework: str, config: str | os.PathLike | Config | None = None, back
     if cfg is not None and cfg.nodes:
         weights = [float(b) for b in world.allgather(cfg.node_for(world.host, world.rank).batch_size)]
     session = Session(world, cfg, weights)
+    from ..markers import write_line
+
+    if world.size > 1:
+        write_line(_share_line(framework, world, weights, config))
     port = metrics_port if metrics_port is not None else (cfg.metrics.port if cfg else 0)
     if port:
         from ..telemetry.metrics import Metrics
@@ -129,6 +135,16 @@ def start(framework: str, config: str | os.PathLike | Config | None = None, back
         session.metrics = metrics
     _SESSION = session
     return session
+
+
+def _share_line(framework: str, world: World, weights: list[float], config: Any) -> str:
+    """Each rank's line at start: its part of every global batch and where that came from, as
+    the trainer's banner says it (a wrong split is seen before a step, not after a run)."""
+    total = sum(weights)
+    source = (f"nodes: in {config if not isinstance(config, Config) else 'the config given'}"
+              if weights != [1.0] * world.size else "equal shares: no config with nodes:")
+    return (f"mlxdist.{framework}: rank {world.rank}/{world.size} on {world.host}: {weights[world.rank]:g} of every "
+            f"{total:g} rows of a global batch ({source})")
 
 
 def let_errors_through_hydra(modules: Mapping[str, Any] = sys.modules,
@@ -155,6 +171,45 @@ def should_stop(session: Session) -> bool:
     """Whether any rank was asked to stop (Ctrl-C, SIGTERM, `kill -USR1 MPIRUN`): every rank
     gets the same answer, so all leave the loop at the same step. Collective."""
     return any(session.world.allgather(session.world.stop_requested))
+
+
+def ranks_equal(module: str, step: int, arrays: dict[str, np.ndarray]) -> bool:
+    """Whether every rank holds rank 0's whole model state (digests compared, collective): a
+    checkpoint saves rank 0's, so ranks that drifted apart are said, naming the first rank and
+    entry that differ, not hidden."""
+    import hashlib
+
+    s = current(module)
+    if s.size == 1:
+        return True
+    digests = s.world.allgather({n: hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+                                 for n, a in arrays.items()})
+    differ = [(r, n) for r, d in enumerate(digests) for n in d if d[n] != digests[0].get(n)]
+    if differ and s.world.is_main:
+        from ..markers import write_line
+
+        write_line(f"{module}.save_checkpoint: step {step}: rank {differ[0][0]}'s {differ[0][1]} differs from rank "
+                   f"0's ({len(differ)} tensor(s) on other ranks do): the ranks drifted apart; rank 0's state is saved")
+    return not differ
+
+
+class ModelStateSync:
+    """A your-loop model's state kept equal across ranks after each step by the trainer's own
+    `StateSync`: BatchNorm's running statistics averaged by each rank's units (what one process
+    with the global batch holds), other changed state as rank 0 has it."""
+
+    def __init__(self, session: Session, tracker: Any):
+        from ..sync.model_state import StateSync
+
+        self.sync, self.tracker = StateSync(session.world), tracker
+
+    def __call__(self, units: float) -> None:
+        self.sync(self.tracker, units)
+
+
+def model_state_sync(session: Session, tracker: Any) -> ModelStateSync | None:
+    """None on one rank: there is nothing to agree with."""
+    return ModelStateSync(session, tracker) if session.size > 1 else None
 
 
 def nonfinite_policy(module: str, session: Session, max_in_a_row: int | None = None) -> NonfiniteSteps:
@@ -285,8 +340,11 @@ class RankSampler:
         return sample_order(self.n, self.seed, int(step) * self.global_batch + self.begin, self.batch_size)
 
     def epoch_steps(self) -> range:
-        """The global batches of the current epoch still to run (from `start_step`)."""
-        return range(self.epoch * self.steps + self.start_step % self.steps, (self.epoch + 1) * self.steps)
+        """The global batches of the current epoch still to run: all of them, but in the epoch a
+        resumed run stopped in, those from `start_step` on (a global step counted from the run's
+        start). Epochs after it are whole; epochs before it have none left."""
+        first, end = self.epoch * self.steps, (self.epoch + 1) * self.steps
+        return range(min(max(first, self.start_step), end), end)
 
 
 def save_checkpoint(module: str, run_dir: str | os.PathLike, step: int, model: dict[str, np.ndarray],
