@@ -99,8 +99,9 @@ def test_unusable_output_dir_is_a_one_line_error(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("not a directory")
     r = run_train([*FAST, "train.steps=2", f"train.out_dir={blocker}"])
-    assert r.returncode == 1
-    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr
+    assert r.returncode == 2  # bad input, as every other one-line refusal
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: train.out_dir {blocker} is a file, not a folder")
+    assert "Traceback" not in r.stderr and blocker.read_text() == "not a directory"
 
 
 def test_cli_module_does_not_import_mlx_before_blas_reexec():
