@@ -13,14 +13,14 @@ import math
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from . import gate
+from . import gate, registry
 from .optim import OPTIMIZERS
 from .problems import ConfigError
 
@@ -28,9 +28,21 @@ _RANK_KEY = re.compile(r"rank\d+")
 _LARGEST_INT = 2**53
 
 
-def _range(lo: float | None = None, hi: float | None = None, choices: tuple = (), help: str = "") -> dict:
-    """A field's bounds, and the line `--help` shows for it."""
-    return {"lo": lo, "hi": hi, "choices": choices, "help": help}
+def _range(lo: float | None = None, hi: float | None = None, choices: tuple | Callable[[], tuple] = (),
+           help: str = "", param: bool = False) -> dict:
+    """A field's bounds, and the line `--help` shows for it. `choices` may be a registry's names,
+    read when checked (a callable: pieces registered later count); `param`: the value may be
+    `name:parameter`, its name one of the choices."""
+    return {"lo": lo, "hi": hi, "choices": choices, "help": help, "param": param}
+
+
+def _choices(meta: dict) -> tuple:
+    choices = meta.get("choices") or ()
+    return tuple(choices()) if callable(choices) else choices
+
+
+def _optimizer_names() -> tuple[str, ...]:
+    return tuple(OPTIMIZERS)
 
 
 def _help(text: str) -> dict:
@@ -114,9 +126,9 @@ class TrainConfig:
     min_lr_ratio: float = field(default=0.1, metadata=_range(0.0, 1.0))
     warmup_steps: int = field(default=20, metadata=_range(0))
     schedule: str = field(default="cosine", metadata=_range(choices=("cosine", "linear", "constant")))
-    optimizer: str = field(default="adamw", metadata=_range(choices=tuple(OPTIMIZERS), help=(
-        "mlxdist.optim's: adamw (m, v: 8 bytes a parameter) or lion (m: 4; wants a 3-10x lower lr); "
-        "beta1/beta2/eps are AdamW's")))
+    optimizer: str = field(default="adamw", metadata=_range(choices=_optimizer_names, help=(
+        "mlxdist.optim's OPTIMIZERS: adamw (m, v: 8 bytes a parameter) or lion (m: 4; wants a 3-10x lower "
+        "lr), or one a plugin registered; beta1/beta2/eps are AdamW's")))
     weight_decay: float = field(default=0.1, metadata=_range(0.0, 1.0))
     beta1: float = field(default=0.9, metadata=_range(0.0, 1.0))
     beta2: float = field(default=0.95, metadata=_range(0.0, 1.0))
@@ -168,9 +180,10 @@ class NodeConfig:
 class DistConfig:
     """How ranks exchange gradients (ddp) or weights (diloco)."""
 
-    mode: str = field(default="ddp", metadata=_range(choices=("ddp", "diloco")))
+    mode: str = field(default="ddp", metadata=_range(choices=registry.mode_names, help=(
+        "the sync strategy (STRATEGIES): ddp (data parallel), diloco, or one a plugin registered")))
     shard: str = field(default="none", metadata=_range(
-        choices=("none", "optimizer", "gradients", "weights", "auto"),
+        choices=registry.shard_names,
         help="data parallel, sharded: optimizer state (ZeRO-1), + gradients (ZeRO-2), + weights (ZeRO-3: a "
              "model with stages(), run a stage at a time); auto: the least that fits every rank's "
              "memory; shards sized to each rank's memory"))
@@ -181,7 +194,7 @@ class DistConfig:
     backend: str = field(default="auto", metadata=_range(choices=("auto", "mlx-mpi", "mlx-ring", "mlx-jaccl", "mpi4py")))
     bucket_mb: float = field(default=25.0, metadata=_range(0.01))
     wire_dtype: str = field(default="float32", metadata=_range(
-        choices=("float32", "bfloat16", "float16", "int8", "int4"),
+        choices=registry.codec_names, param=True,
         help="data parallel's gradients on the wire: bfloat16/float16 half the bytes; int8/int4 a quarter/eighth, "
              "blockwise with error feedback, all-gathered (for slow links, up to 7/15 ranks; docs/performance.md)"))
     sync_weights_every: int = field(default=50, metadata=_range(0))
@@ -191,7 +204,8 @@ class DistConfig:
     inner_steps: int = field(default=50, metadata=_range(1, help="diloco: local steps per round, then an outer step"))
     outer_lr: float = field(default=0.7, metadata=_range(0.0, 10.0))
     outer_momentum: float = field(default=0.9, metadata=_range(0.0, 1.0))
-    outer_wire: str = field(default="bfloat16", metadata=_range(choices=("float32", "bfloat16", "int8", "int4")))
+    outer_wire: str = field(default="bfloat16", metadata=_range(choices=registry.codec_names, param=True, help=(
+        "diloco: the pseudo-gradients on the wire (CODECS; NAME:PARAM for a codec that takes one)")))
     fragments: int = field(default=1, metadata=_range(1))
     sync_every_s: float | None = field(default=None, metadata=_range(
         0.1, help="diloco: time box of a round's inner phase; each rank trains on as many steps as it fits"))
@@ -252,6 +266,12 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
+    # A comma-separated string or a YAML list (load_config normalises it to the string). Code you
+    # run, as task.factory (docs/trust.md): imported by load_config before the rest is checked, so
+    # what the modules register (strategies, codecs, optimizers) is among the choices. A saved
+    # config's list is never imported (`config_from_dict`).
+    plugins: Any = field(default="", metadata={"help": "modules imported at start that register sync strategies, "
+                                                       "codecs or optimizers (mlxdist/registry.py)"})
     # What loading noticed (logged once by the trainer) and the dotted keys the file and the
     # overrides set (a task's run refuses the built-in LM's keys it would ignore). Not keys of
     # the schema: a YAML file cannot set them, and `to_dict` leaves them out.
@@ -316,7 +336,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
-def _coerce(value: Any, tp: Any, where: str, warnings: list[str] | None = None) -> Any:
+def _coerce(value: Any, tp: Any, where: str, warnings: list[str] | None = None, registered: bool = True) -> Any:
     if tp is Any:
         return value
     origin = typing.get_origin(tp)
@@ -329,7 +349,7 @@ def _coerce(value: Any, tp: Any, where: str, warnings: list[str] | None = None) 
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return _build(tp, value, where, warnings)
+        return _build(tp, value, where, warnings, registered)
     if origin is dict:
         _, vtp = typing.get_args(tp)
         if not isinstance(value, dict):
@@ -358,7 +378,7 @@ def _coerce(value: Any, tp: Any, where: str, warnings: list[str] | None = None) 
     raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
 
 
-def _check_range(f: dataclasses.Field, value: Any, where: str) -> None:
+def _check_range(f: dataclasses.Field, value: Any, where: str, registered: bool = True) -> None:
     meta = f.metadata
     if isinstance(value, float) and not math.isfinite(value):  # NaN passes every `<` and `>` check
         raise ConfigError(f"{where}: {value!r} is not a finite number; give a number"
@@ -366,8 +386,12 @@ def _check_range(f: dataclasses.Field, value: Any, where: str) -> None:
                           + (f" to {meta['hi']}" if meta.get("hi") is not None else ""))
     if value is None or not meta:
         return
-    if meta.get("choices") and value not in meta["choices"]:
-        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
+    if callable(meta.get("choices")) and not registered:
+        return  # a saved config: a plugin's name is data there, its module never imported
+    choices = _choices(meta)
+    name = value.partition(":")[0] if meta.get("param") and isinstance(value, str) else value
+    if choices and name not in choices:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
     lo, hi = meta.get("lo"), meta.get("hi")
     if lo is not None and value < lo:
         raise ConfigError(f"{where}: {value!r} is below the minimum {lo}")
@@ -384,7 +408,7 @@ def schema_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("loaded")]
 
 
-def _build(cls: type, data: dict, where: str, warnings: list[str] | None = None) -> Any:
+def _build(cls: type, data: dict, where: str, warnings: list[str] | None = None, registered: bool = True) -> Any:
     fields = {f.name: f for f in schema_fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -400,8 +424,8 @@ def _build(cls: type, data: dict, where: str, warnings: list[str] | None = None)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown key '{prefix}{key}'{hint}")
         path = f"{where}.{key}" if where else key
-        kwargs[key] = _coerce(value, hints[key], path, warnings)
-        _check_range(fields[key], kwargs[key], path)
+        kwargs[key] = _coerce(value, hints[key], path, warnings, registered)
+        _check_range(fields[key], kwargs[key], path, registered)
     return cls(**kwargs)
 
 
@@ -447,9 +471,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _merge(data, parse_override(text))
     warnings: list[str] = []
     try:
+        plugins = plugin_names(data.get("plugins"))
+        try:
+            registry.import_plugins(plugins)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         cfg = _build(Config, data, "", warnings)
         validate(cfg)
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg = dataclasses.replace(cfg, plugins=",".join(plugins), train=dataclasses.replace(
             cfg.train, report_to=",".join(report_to_names(cfg.train.report_to)) or "none"))
     except ConfigError as e:
         src = source if not overrides else f"{source} + overrides"
@@ -511,10 +540,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.overlap: {cfg.data.overlap} must be below data.seq_len ({cfg.data.seq_len})")
     if cfg.data.source == "shards" and not cfg.data.path:
         raise ConfigError("data.path: required when data.source is 'shards' (run `python -m mlxdist.prepare` first)")
-    if cfg.dist.mode == "diloco":
-        _validate_diloco(cfg.dist)
-    _validate_wire(cfg.dist)
-    _validate_time_box(cfg)
+    plugin_names(cfg.plugins)
+    check_pieces(cfg)
     if cfg.control.min_batch > cfg.control.max_batch:
         raise ConfigError("control.min_batch: must not exceed control.max_batch")
     if cfg.checkpoint.resume not in ("none", "auto") and not Path(cfg.checkpoint.resume).exists():
@@ -523,9 +550,6 @@ def validate(cfg: Config) -> None:
     if cfg.train.ema is not None and not 0.0 < cfg.train.ema < 1.0:
         raise ConfigError(f"train.ema: {cfg.train.ema} is the EMA's decay and must lie strictly between 0 and 1 "
                           "(e.g. 0.999), or null for none")
-    if cfg.train.ema is not None and cfg.dist.mode == "diloco":
-        raise ConfigError("train.ema: with dist.mode=diloco the ranks hold different weights between rounds, so "
-                          "there is no one model to average each step; remove train.ema or use dist.mode=ddp")
 
 
 # Experiment trackers beside Prometheus (telemetry/trackers.py); each needs its optional extra.
@@ -545,43 +569,75 @@ def report_to_names(value: Any) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _validate_diloco(d: DistConfig) -> None:
-    # With dist.sync_every_s, dist.inner_steps is the first round's length (every rank trains
-    # on every step while the paces are timed); the checks below hold for it as for any round.
-    if d.fragments > d.inner_steps:
-        raise ConfigError(f"dist.fragments: {d.fragments} exceeds dist.inner_steps ({d.inner_steps}); "
-                          "each fragment needs at least one inner step per round")
-    if d.overlap_steps >= d.inner_steps:
-        raise ConfigError(f"dist.overlap_steps: {d.overlap_steps} must be below dist.inner_steps ({d.inner_steps}): "
-                          "a fragment's sync must land before its next one starts")
+def plugin_names(value: Any) -> list[str]:
+    """`plugins` as module names: a YAML list, or the comma string an override gives."""
+    items = [] if value is None else value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+        raise ConfigError(f"plugins: expected module names (a list, or comma-separated), got {value!r}")
+    return list(dict.fromkeys(n for n in (x.strip() for x in items) if n))
 
 
-def _validate_wire(d: DistConfig) -> None:
-    if d.wire_dtype not in ("int8", "int4"):
-        return
-    if d.mode == "diloco":
-        raise ConfigError(f"dist.wire_dtype={d.wire_dtype}: DiLoCo sends no gradients; quantize its outer sync with "
-                          f"dist.outer_wire={d.wire_dtype} and leave dist.wire_dtype at float32")
-    if d.shard != "none":
-        raise ConfigError(f"dist.wire_dtype={d.wire_dtype}: only plain data parallel sends quantized gradients; "
-                          f"with dist.shard={d.shard} use float32, bfloat16 or float16, or set dist.shard=none")
+def _strategy(name: str):
+    return registry.load(registry.STRATEGIES, "sync strategy", registry.mode_strategy_name(name))
 
 
-def _validate_time_box(cfg: Config) -> None:
+def _codec(value: str, key: str):
+    try:
+        return registry.make(registry.CODECS, "wire format", value, key, registry.CODEC_ALIASES)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _or(names: Sequence[str]) -> str:
+    names = list(names)
+    return names[0] if len(names) < 2 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def check_pieces(cfg: Config) -> None:
+    """The one place where the pieces a config names are checked against each other, by what
+    each declares of itself (never by comparing names): dist.mode's strategy (`Strategy`'s
+    `ranks_differ`, `gradient_wire`, `time_box`, and its own `check_config`), the wire codecs
+    (`summable`, their parameters). dist.shard with a strategy that is not `shardable` is refused
+    where the strategy is chosen (`sync.strategy.strategy_name`), on every rank alike. The
+    strategy classes are read through the registry (`mlxdist/registry.py`: imported by name, not
+    by config's own imports; framework-free)."""
     d = cfg.dist
-    if d.sync_every_s is None:
-        return
-    if d.mode != "diloco":
-        raise ConfigError(f"dist.sync_every_s: a time box for DiLoCo's inner phase; set dist.mode=diloco "
-                          f"(now {d.mode}) or remove it")
-    if cfg.control.balance:
-        raise ConfigError("dist.sync_every_s: the time box already gives a faster node more work (more inner "
-                          "steps per round); set control.balance=false or remove dist.sync_every_s")
+    cls = _strategy(d.mode)
+    cls.check_config(cfg)
+    title = cls.title or f"dist.mode={d.mode}"
+    wire = _codec(d.wire_dtype, "dist.wire_dtype")
+    _codec(d.outer_wire, "dist.outer_wire")
+    if not wire.summable:
+        w = d.wire_dtype
+        if cls.gradient_wire == "none":
+            hint = f"quantize its outer sync with {cls.wire_key}={w} and " if cls.wire_key else ""
+            raise ConfigError(f"dist.wire_dtype={w}: {title} sends no gradients; {hint}leave dist.wire_dtype at float32")
+        sharded = [registry.load(registry.STRATEGIES, "sync strategy", registry.SHARD_NAMES[s])
+                   for s in (registry.SHARD_NAMES if d.shard == "auto" else [d.shard] if d.shard != "none" else [])]
+        if any(c.gradient_wire == "summable" for c in sharded):
+            raise ConfigError(f"dist.wire_dtype={w}: only plain data parallel sends quantized gradients; with "
+                              f"dist.shard={d.shard} use {_or(registry.summable_codecs())}, or set dist.shard=none")
+        if cls.gradient_wire == "summable":
+            raise ConfigError(f"dist.wire_dtype={w}: {title} adds gradients on the wire; use "
+                              f"{_or(registry.summable_codecs())}")
+    if d.sync_every_s is not None and not cls.time_box:
+        takers = [m for m in registry.mode_names() if _strategy(m).time_box]
+        whose = _or([_strategy(m).title or f"dist.mode={m}" for m in takers]) or "no registered strategy"
+        raise ConfigError(f"dist.sync_every_s: a time box for {whose}'s inner phase; set dist.mode="
+                          f"{_or(takers) or '?'} (now {d.mode}) or remove it")
+    if cfg.train.ema is not None and cls.ranks_differ:
+        raise ConfigError(f"train.ema: with dist.mode={d.mode} the ranks hold different weights between rounds, so "
+                          "there is no one model to average each step; remove train.ema or use dist.mode=ddp")
+    if cfg.train.sync_batchnorm and cls.ranks_differ:
+        raise ConfigError(f"train.sync_batchnorm: dist.mode={d.mode} trains each rank on its own samples between "
+                          "rounds; use dist.mode=ddp, or set train.sync_batchnorm=false")
 
 
 def config_from_dict(data: dict) -> Config:
-    """Rebuild a Config saved in a checkpoint (already validated when it was saved)."""
-    return _build(Config, data, "")
+    """Rebuild a Config saved in a checkpoint (already validated when it was saved). Its
+    `plugins` are never imported: a registry's name there (a plugin's strategy, codec or
+    optimizer) is kept as data, not checked against what this process registered."""
+    return _build(Config, data, "", registered=False)
 
 
 def _default_text(f: dataclasses.Field) -> str:
@@ -605,7 +661,7 @@ def describe_keys(cls: type = Config, prefix: str = "") -> list[str]:
             lines += [f"{key}:  {node.__doc__}", *describe_keys(node, key + ".HOST.")]
             continue
         meta = f.metadata or {}
-        bounds = "|".join(map(str, meta["choices"])) if meta.get("choices") else ""
+        bounds = "|".join(map(str, _choices(meta)))
         if meta.get("lo") is not None or meta.get("hi") is not None:
             lo, hi = meta.get("lo"), meta.get("hi")
             bounds = f">= {lo}" if hi is None else f"{lo}..{hi}"

@@ -17,7 +17,10 @@ import yaml
 from helpers import FAST, env, final_weights, run_train
 
 from mlxdist.cluster.world import LaunchError, mlx_launch_backend, refuse_mlx_launch
+from mlxdist import registry
 from mlxdist.config import Config, describe_keys, load_config
+from mlxdist.engine.registry import ENGINES
+from mlxdist.optim import OPTIMIZERS
 
 BIN = Path(sys.executable).parent
 
@@ -36,7 +39,13 @@ def test_help_lists_every_key_with_its_default():
     assert len(keys) > 80
     for key in keys:
         assert f"  {key} = " in out, key
-    assert "  train.lr = 0.003   (0.0..10.0)" in out and "  dist.mode = ddp   (ddp|diloco)" in out
+    assert "  train.lr = 0.003   (0.0..10.0)" in out
+    # choices read from the registries (mlxdist/registry.py, optim.OPTIMIZERS), as the config does
+    assert f"  dist.mode = ddp   ({'|'.join(registry.mode_names())}; " in out
+    assert f"  dist.shard = none   ({'|'.join(registry.shard_names())}; " in out
+    assert f"  dist.wire_dtype = float32   ({'|'.join(registry.CODECS)}; " in out
+    assert f"  train.optimizer = adamw   ({'|'.join(OPTIMIZERS)}; " in out
+    assert "--engine {" + ",".join(ENGINES) + "}" in out
     assert "nodes.HOST.batch_size = 16" in out
     listed = {ln.split(" = ")[0].strip() for ln in describe_keys() if " = " in ln}
     assert listed == (set(keys) - {"nodes"}) | {"nodes.HOST.batch_size", "nodes.HOST.memory_target"}

@@ -4,6 +4,7 @@ read."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from helpers import assert_same_weights, env, final_weights
 from mlxdist.config import ConfigError, load_config
 from mlxdist.control.run_plan import build_run_plan, rank_nodes
 from mlxdist.engine.base import Capabilities
+from mlxdist.registry import CODECS, SHARD_NAMES
 from mlxdist.sync.strategy import (
     STRATEGIES,
     Strategy,
@@ -40,7 +42,6 @@ def plan_of(cfg):
     (["dist.shard=optimizer"], "zero1", "ShardedDataParallel"),
     (["dist.shard=gradients"], "zero2", "ShardedDataParallel"),
     (["dist.shard=weights"], "zero3", "FullyShardedDataParallel"),
-    (["dist.shard=optimizer", "dist.mode=diloco"], "zero1", "ShardedDataParallel"),  # its check refuses it
 ])
 def test_the_config_names_a_registered_strategy(overrides, name, cls):
     cfg = load_config(None, overrides)
@@ -59,14 +60,56 @@ def test_a_strategy_is_registered_once_and_an_unknown_name_lists_the_known():
             register("test_mine")(Mine)
     finally:
         STRATEGIES.pop("test_mine", None)
-    with pytest.raises(KeyError, match="no sync strategy named 'nope'; registered: data_parallel, diloco, zero1"):
+    with pytest.raises(KeyError, match=f"no sync strategy named 'nope'; registered: {', '.join(sorted(STRATEGIES))}"):
         strategy_class("nope")
+    for builtin in STRATEGIES:  # the doc's @register route refuses a built-in's name
+        with pytest.raises(ValueError, match=f"strategy '{builtin}' is registered already"):
+            register(builtin)(Mine)
 
 
-def test_the_chooser_runs_the_strategys_own_check_with_todays_message():
+def test_the_configs_choices_are_the_registries():
+    """dist.mode offers every registered strategy but the sharded ones (dist.shard's), ddp for
+    data parallel; a name registered later is a choice too."""
+    from mlxdist.config import DistConfig, _choices
+
+    meta = {f.name: f.metadata for f in dataclasses.fields(DistConfig)}
+    modes = [("ddp" if n == "data_parallel" else n) for n in STRATEGIES if n not in SHARD_NAMES.values()]
+    assert list(_choices(meta["mode"])) == modes
+    assert list(_choices(meta["shard"])) == ["none", *SHARD_NAMES, "auto"]
+    assert list(_choices(meta["wire_dtype"])) == list(_choices(meta["outer_wire"])) == list(CODECS)
+
+    class Later(strategy_class("diloco")):
+        pass
+
+    try:
+        register("test_later")(Later)
+        assert load_config(None, ["dist.mode=test_later"]).dist.mode == "test_later"
+        assert "test_later" in _choices(meta["mode"])
+    finally:
+        STRATEGIES.pop("test_later", None)
+
+
+def test_a_mode_that_cannot_be_sharded_is_refused_with_dist_shard_never_replaced():
+    """DiLoCo declares itself not `shardable`; so does any strategy that does not say otherwise
+    (a local-SGD mode with dist.shard once ran as ZeRO-1)."""
     cfg = load_config(None, ["dist.shard=optimizer", "dist.mode=diloco"])
     with pytest.raises(ConfigError, match="dist.mode=diloco keeps each rank's own optimizer: set dist.shard=none"):
+        strategy_name(cfg)
+    with pytest.raises(ConfigError, match="dist.mode=diloco keeps each rank's own optimizer: set dist.shard=none"):
         make_strategy(cfg, WORLD, SimpleNamespace(capabilities=Capabilities("t")), None, plan_of(cfg), None)
+
+    class Alone(Strategy):
+        def step(self, engine, lr):
+            raise NotImplementedError
+
+    try:
+        register("test_alone")(Alone)
+        cfg = load_config(None, ["dist.shard=gradients", "dist.mode=test_alone"])
+        with pytest.raises(ConfigError, match="dist.shard=gradients shards data parallel's optimizer; "
+                                              "dist.mode=test_alone does not run sharded: set dist.shard=none"):
+            strategy_name(cfg)
+    finally:
+        STRATEGIES.pop("test_alone", None)
 
 
 def test_a_subclass_writes_only_the_hooks_it_changes():
@@ -74,7 +117,7 @@ def test_a_subclass_writes_only_the_hooks_it_changes():
     the hooks that keep its reducer's own state (a lossy wire's residuals) in the rank's file."""
     dp = strategy_class("data_parallel")
     assert {n for n in vars(dp) if not n.startswith("_")} == {"step", "before_last_backward", "save_rank_state",
-                                                              "load_state_dict"}
+                                                              "load_state_dict", "shardable"}
     with pytest.raises(TypeError, match="abstract"):
         Strategy()
 

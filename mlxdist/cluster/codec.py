@@ -18,11 +18,23 @@ rounding step, instead of drifting by a bias that grows with every sync.
 
 Payloads are flat uint8 arrays of a size fixed by the element count, so ranks can
 all-gather them as plain byte buffers; decoding is pure numpy and bit-identical everywhere.
+
+Adding a codec: a `Codec` subclass (`nbytes`, `encode`, `decode`, `nonfinite`; `summable` and
+`to_wire`/`from_wire` if a transport may add its payloads) and `@register_codec("name")`. A
+codec that takes a parameter reads it from its constructor's one string argument: the config
+says `dist.wire_dtype=name:param` (`make_codec`), and a name alone builds it with none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import numpy as np
+
+from .. import registry
+from ..registry import CODEC_ALIASES as ALIASES
+from ..registry import CODECS
 
 # Elements sharing one fp32 scale: 4 bytes of scale per 128 values costs 3% at int8 and
 # 6% at int4, and a block that small keeps one outlier from flattening many values.
@@ -79,6 +91,11 @@ class Codec:
         dst[...] = payload[: 4 * n].view(np.float32)
         return dst
 
+    def nonfinite(self, payload: np.ndarray, n: int) -> bool:
+        """Whether the payload of n values carries a non-finite one (the exchange then skips the
+        step on every rank and drops the residual it poisoned)."""
+        return not np.isfinite(payload[: 4 * n].view(np.float32)).all()
+
 
 class BF16Codec(Codec):
     name = "bfloat16"
@@ -111,6 +128,9 @@ class BF16Codec(Codec):
         bits <<= 16
         return dst
 
+    def nonfinite(self, payload: np.ndarray, n: int) -> bool:
+        return bool(((payload[: 2 * n].view(np.uint16) & 0x7F80) == 0x7F80).any())  # exponent all ones
+
 
 class FP16Codec(Codec):
     name = "float16"
@@ -134,6 +154,9 @@ class FP16Codec(Codec):
         dst = np.empty(n, np.float32) if out is None else out
         dst[...] = payload[: 2 * n].view(np.float16)
         return dst
+
+    def nonfinite(self, payload: np.ndarray, n: int) -> bool:
+        return not np.isfinite(payload[: 2 * n].view(np.float16)).all()
 
 
 def _with_residual(x: np.ndarray, residual: np.ndarray | None, consume: bool) -> np.ndarray:
@@ -228,6 +251,11 @@ class BlockQuantCodec(Codec):
             q[1::2] = (codes >> 4).astype(np.int8) - 8
         return self.dequantize(scale, q.reshape(nb, BLOCK), n, out)
 
+    def nonfinite(self, payload: np.ndarray, n: int) -> bool:
+        """A non-finite value makes its block's scale non-finite (NaN -> int8 is undefined: the
+        scale carries it)."""
+        return not np.isfinite(payload[: 4 * self._blocks(n)].view(np.float32)).all()
+
     def step_bound(self, y: np.ndarray) -> np.ndarray:
         """Per element, half the rounding step of its block: the most one encode can drop."""
         n = y.size
@@ -237,18 +265,38 @@ class BlockQuantCodec(Codec):
         return np.repeat(half, BLOCK)[:n]
 
 
-CODECS = {"float32": Codec, "bfloat16": BF16Codec, "float16": FP16Codec,
-          "int8": lambda: BlockQuantCodec(8), "int4": lambda: BlockQuantCodec(4)}
-ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+def int8() -> BlockQuantCodec:
+    return BlockQuantCodec(8)
+
+
+def int4() -> BlockQuantCodec:
+    return BlockQuantCodec(4)
+
+
+C = TypeVar("C")
+
+
+def register_codec(name: str) -> Callable[[C], C]:
+    """A class decorator: the codec under `name` in `CODECS` (`mlxdist/registry.py`; the keys
+    dist.wire_dtype=NAME and dist.outer_wire=NAME choose it). A name is registered once (a
+    built-in's too)."""
+    return registry.registrar(CODECS, "codec", name)
 
 
 def make_codec(name: str, key: str = "dist.outer_wire", summable: bool = False) -> Codec:
-    """The codec called `name` (`CODECS`); `key` names the setting in errors; `summable`:
-    the exchange adds payloads on the wire, so int8/int4 are refused."""
-    make = CODECS.get(ALIASES.get(name, name))
-    if make is None:
-        raise ValueError(f"{key}: unknown wire format '{name}' ({', '.join(CODECS)})")
-    codec = make()
+    """The codec `name` names (`CODECS`; `name:param` hands the codec its parameter); `key`
+    names the setting in errors; `summable`: the exchange adds payloads on the wire, so a
+    codec that cannot be added (int8, int4) is refused."""
+    codec = registry.make(CODECS, "wire format", name, key, ALIASES)
     if summable and not codec.summable:
-        raise ValueError(f"{key}={name}: this exchange sums on the wire; use {', '.join(n for n in CODECS if CODECS[n]().summable)}")
+        raise ValueError(f"{key}={name}: this exchange sums on the wire; use {', '.join(summable_names())}")
     return codec
+
+
+def summable_names() -> list[str]:
+    """The registered codecs a transport may add hop by hop."""
+    return registry.summable_codecs()
+
+
+__all__ = ["ALIASES", "BLOCK", "CODECS", "BF16Codec", "BlockQuantCodec", "Codec", "FP16Codec", "bf16_bits",
+           "bf16_to_f32", "make_codec", "register_codec", "summable_names"]

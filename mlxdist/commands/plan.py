@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from ..config import Config, ConfigError, load_config
 from ..control.memory_plan import GIB, lm_facts, plan
 from ..engine.registry import ENGINES, engine_spec
-from ..sync.strategy import memory_lines
+from ..sync.strategy import memory_lines, mode_strategy
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": GIB, "gb": GIB, "gib": GIB, "t": 2**40, "tb": 2**40, "tib": 2**40}
@@ -164,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             what += f"; activations ~{act / 2**20:.0f} MiB/sample (estimated)"
         facts = lm_facts(cfg) if args.activation_gb is None else None
         result = plan(cfg, hosts, n_params, act, memory=memory_lines(), gather_params=unit,
-                      staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None)
+                      staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None,
+                      shardable=mode_strategy(cfg).shardable)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

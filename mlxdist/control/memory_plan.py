@@ -371,12 +371,15 @@ class Plan:
 
 
 def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: int | None, *,
-         memory: Mapping[str, MemoryLine], gather_params: int = 0, staged_act_per_sample: int | None = None) -> Plan:
+         memory: Mapping[str, MemoryLine], gather_params: int = 0, staged_act_per_sample: int | None = None,
+         shardable: bool = True) -> Plan:
     """The plan for ranks on `hosts` ((host name, memory limit in bytes), one per rank in rank
     order): memory_target and micro-batch per rank from the config as the trainer reads them
     (`Config.node_for`), bytes from `estimate`, shards by `split.shard_bounds` (the split the
     sharded strategies train with). `memory`: each mode's line (`sync.strategy.memory_lines()`).
-    `act_per_sample` None: activations are not counted (a note says so)."""
+    `act_per_sample` None: activations are not counted (a note says so). `shardable`: dist.mode's
+    strategy is data parallel, sharded or not (its declaration: `sync.strategy.mode_strategy`);
+    otherwise a note says the table is data parallel's."""
     if not hosts:
         raise ValueError("plan: no ranks")
     if n_params < 1:
@@ -396,7 +399,8 @@ def plan(cfg, hosts: Sequence[tuple[str, int]], n_params: int, act_per_sample: i
     if act_per_sample is None:
         what = "a task" if cfg.task.factory else "a pretrained model.path"
         notes.append(f"activations not estimated for {what}; add --activation-gb (GiB per sample, as measured)")
-    if cfg.dist.mode == "diloco":
-        notes.append("note: dist.mode=diloco: each rank keeps its whole model and outer state; sharding is a ddp mode")
+    if not shardable:
+        notes.append(f"note: dist.mode={cfg.dist.mode}: each rank keeps its whole model and its own state; "
+                     "sharding is a ddp mode")
     return Plan(ranks, n_params, cfg.model.dtype, shard_sizes, needs, choice, cfg.dist.shard, notes,
                 cfg.train.optimizer)

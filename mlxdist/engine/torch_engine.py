@@ -544,10 +544,16 @@ class TorchEngine(ReleasesWeights):
         if self._opt_state is None:
             self._opt_state = {k: [torch.zeros_like(p) for p in self._params] for k in keys}
         grads = Many([torch.zeros_like(p) if p.grad is None else p.grad for p in self._params])
-        _, state = opt.update(torch_ops, Many([p.detach() for p in self._params]), grads,
-                              tuple(Many(self._opt_state[k]) for k in keys),
-                              opt.scalars(lr, self._updates + 1, coef), self._decay)
-        self._opt_state = {k: st.items for k, st in zip(keys, state, strict=True)}  # updated in place
+        new, state = opt.update(torch_ops, Many([p.detach() for p in self._params]), grads,
+                                tuple(Many(self._opt_state[k]) for k in keys),
+                                opt.scalars(lr, self._updates + 1, coef), self._decay)
+        # The primitives ending in `_` work in place, so the returned p is usually the parameters'
+        # own storage; an update that returns new tensors (a primitive without `_` last) is
+        # copied in, so no optimizer's result is lost.
+        for p, q in zip(self._params, new.items, strict=True):
+            if q.data_ptr() != p.data_ptr():
+                p.detach().copy_(q)
+        self._opt_state = {k: st.items for k, st in zip(keys, state, strict=True)}
 
     def _zero_grad(self) -> None:
         for p in self._params:

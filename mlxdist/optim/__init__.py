@@ -13,19 +13,31 @@ two engines agree to rounding.
 
 Nothing here imports a framework at module level (the torch engine runs where MLX is not
 installed): each namespace is imported by the engine that uses it. Adding an optimizer is one
-module beside `adamw.py` and one entry in `OPTIMIZERS`; the config's choices
-(`train.optimizer`), checkpoints and the memory plan (`state_bytes`) follow from it.
+module with an `Optimizer` dataclass and `@register_optimizer` (its `name`; the built-ins are
+entries of `OPTIMIZERS`); the config's choices (`train.optimizer`), checkpoints (its
+`state_names`), DiLoCo's rank files and the memory plan (`state_bytes`) follow from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
+
+from ..registry import register_in
 
 from .adamw import AdamW
 from .lion import Lion
 from .optimizer import Optimizer
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {o.name: o for o in (AdamW, Lion)}
+
+O = TypeVar("O", bound=type[Optimizer])
+
+
+def register_optimizer(cls: O) -> O:
+    """A class decorator: the optimizer under its `name` (train.optimizer=NAME). A name is
+    registered once (a built-in's too)."""
+    return register_in(OPTIMIZERS, "optimizer", cls.name, cls)
 
 
 def make_optimizer(name: str, train) -> Optimizer:
@@ -63,4 +75,5 @@ def check_state(opt: Optimizer, names: list[str], state: Mapping) -> None:
                      f"{opt.name} (train.optimizer) does not keep")
 
 
-__all__ = ["OPTIMIZERS", "AdamW", "Lion", "Optimizer", "check_state", "make_optimizer", "state_owner"]
+__all__ = ["OPTIMIZERS", "AdamW", "Lion", "Optimizer", "check_state", "make_optimizer", "register_optimizer",
+           "state_owner"]

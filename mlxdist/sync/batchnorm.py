@@ -174,15 +174,14 @@ def _refuse(world: World, text: str) -> ConfigError:
 
 def install_sync_batchnorm(cfg: Config, world: World, engine, plan) -> list[str]:
     """When `train.sync_batchnorm` is set: refuse what cannot work, else patch the torch
-    engine's model. Returns the notes to print. Every rank calls it with the same plan."""
+    engine's model. Returns the notes to print. Every rank calls it with the same plan. A
+    strategy whose ranks hold different weights (`Strategy.ranks_differ`: DiLoCo) is refused
+    by the config (`config.check_pieces`)."""
     if not cfg.train.sync_batchnorm:
         return []
     if not engine_spec(engine.name).sync_batchnorm:
         raise _refuse(world, f"the {engine.name} engine is not supported (MLX has no collective inside autograd on "
                              "mlxdist's transports); run with --engine torch, or set train.sync_batchnorm=false")
-    if cfg.dist.mode == "diloco":
-        raise _refuse(world, "dist.mode=diloco trains each rank on its own samples between rounds; use "
-                             "dist.mode=ddp, or set train.sync_batchnorm=false")
     task = engine.capabilities.task_name
     layers = batchnorm_layers(engine.model)
     if not layers:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..cluster.codec import BLOCK, BlockQuantCodec, make_codec
+from ..cluster.codec import Codec, make_codec
 from ..cluster.transport import Transport
 from .reducer import Reducer, SyncStats, plan_buckets
 
@@ -95,7 +95,7 @@ class CompressedGradSync(Reducer):
 
     keeps_rank_state = True
 
-    def __init__(self, allgather: AllGather, size: int, codec: BlockQuantCodec, kind: ArrayKind,
+    def __init__(self, allgather: AllGather, size: int, codec: Codec, kind: ArrayKind,
                  bucket_mb: float = 25.0):
         self.allgather, self.size, self.codec, self.kind = allgather, size, codec, kind
         self.bucket_elems = max(1, int(bucket_mb * 2**20 / 4))
@@ -125,14 +125,15 @@ class CompressedGradSync(Reducer):
 
     def sum_bucket(self, flat: np.ndarray, k: int) -> tuple[np.ndarray, int]:
         """Every rank's bucket `k` summed in fp32, in rank order, and this rank's payload size.
-        A non-finite value makes its block's scale non-finite, so the sum is non-finite on every
-        rank (the step is skipped everywhere); the bucket's residual, poisoned by it, restarts
-        at zero rather than carrying NaN into every later step."""
+        A non-finite value reaches the payload (the codec says so: `Codec.nonfinite`; int8's
+        block scale carries it), so the sum is non-finite on every rank (the step is skipped
+        everywhere); the bucket's residual, poisoned by it, restarts at zero rather than
+        carrying NaN into every later step."""
         residual = self.residuals[k]
         with np.errstate(invalid="ignore"):  # NaN -> int8: the scale carries it
             payload = self.codec.encode(flat, residual, consume=True)
         n = flat.size
-        if not np.isfinite(payload[: 4 * -(-n // BLOCK)].view(np.float32)).all():
+        if self.codec.nonfinite(payload, n):
             residual[...] = 0.0
         gathered = self.allgather(payload)  # views of a buffer the next call reuses: decode now
         total = self.codec.decode(gathered[0], n)

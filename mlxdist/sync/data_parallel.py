@@ -13,14 +13,15 @@ from ..config import Config
 from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats
-from ..state import rank_state
 from ..tasks.metrics import means
 from .model_state import StateSync
 from .reducer import Reducer, Unreduced
-from .strategy import Strategy
+from .strategy import Strategy, load_rank_files, save_rank_file
 
 
 class DataParallel(Strategy):
+    shardable = True  # dist.shard runs it as ZeRO-1/2/3 (sharded.py, fully_sharded.py)
+
     def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer: Reducer | None = None,
                  transport=None):
         self.world, self.hosts = world, list(plan.hosts)
@@ -47,9 +48,7 @@ class DataParallel(Strategy):
         """The reducer's own state (a lossy wire's residuals), when it keeps any."""
         if not self.reducer.keeps_rank_state:
             return
-        w = self.world  # the update count is not read back: the residuals need none
-        rank_state.save(root, rank_state.RankStateInfo(step, w.rank, w.size, self.hosts, step),
-                        self.reducer.rank_state(), keep)
+        save_rank_file(self.world, self.hosts, root, step, self.reducer.rank_state(), keep)  # no update count read back
 
     def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
                         optimizer_step: int) -> list[Decision]:
@@ -57,16 +56,10 @@ class DataParallel(Strategy):
         ranks must agree on what they send); a fresh run starts it afresh."""
         if not self.reducer.keeps_rank_state:
             return []
-        own, why = None, ""
-        if shared is not None:
-            try:
-                own = rank_state.load(root, step, self.world.rank, self.world.size, self.hosts)[0]
-            except rank_state.RankStateMissing as e:
-                why = str(e)
-        reasons = [r for r in self.world.allgather(why) if r]
-        self.reducer.load_rank_state(None if reasons else own)
-        if not reasons:
+        own, _, why = load_rank_files(self.world, self.hosts, root, step) if shared is not None else (None, None, "")
+        self.reducer.load_rank_state(own)
+        if not why:
             return []
         return [Decision("wire_resume", f"dist.wire_dtype: the wire's error-feedback residuals restart at zero "
-                         f"({reasons[0]}): the rounding not yet sent before the checkpoint is dropped, once")]
+                         f"({why}): the rounding not yet sent before the checkpoint is dropped, once")]
 

@@ -29,21 +29,41 @@ import numpy as np
 
 from ..cluster.transport import Transport
 from ..cluster.world import World
-from ..config import Config, DistConfig
+from ..config import Config, ConfigError, DistConfig
 from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats, local_step
-from ..state import rank_state
 from .comm import allgather_from_transport, allreduce_from_transport
 from .diloco import DiLoCo, OuterStats
 from .fragments import TimeBox
 from .model_state import StateSync
 from .overlap import OverlappedSync
-from .strategy import Strategy
+from .strategy import Strategy, load_rank_files, save_rank_file
 
 
 class DiLoCoStrategy(Strategy):
     """Ranks differ between outer syncs by design: no drift check (`Strategy`'s default)."""
+
+    title = "DiLoCo"
+    ranks_differ = True  # each rank its own weights and optimizer between outer syncs
+    gradient_wire = "none"  # it sends pseudo-gradients, on dist.outer_wire
+    wire_key = "dist.outer_wire"
+    time_box = True
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        # With dist.sync_every_s, dist.inner_steps is the first round's length (every rank trains
+        # on every step while the paces are timed); the checks below hold for it as for any round.
+        d = cfg.dist
+        if d.fragments > d.inner_steps:
+            raise ConfigError(f"dist.fragments: {d.fragments} exceeds dist.inner_steps ({d.inner_steps}); "
+                              "each fragment needs at least one inner step per round")
+        if d.overlap_steps >= d.inner_steps:
+            raise ConfigError(f"dist.overlap_steps: {d.overlap_steps} must be below dist.inner_steps "
+                              f"({d.inner_steps}): a fragment's sync must land before its next one starts")
+        if d.sync_every_s is not None and cfg.control.balance:
+            raise ConfigError("dist.sync_every_s: the time box already gives a faster node more work (more inner "
+                              "steps per round); set control.balance=false or remove dist.sync_every_s")
 
     def __init__(self, cfg: Config, world: World, engine: Engine, plan: RunPlan, reducer=None,
                  transport: Transport | None = None):
@@ -121,10 +141,8 @@ class DiLoCoStrategy(Strategy):
         return self.outer.shared_state() | (self.box.state_dict() if self.box is not None else {})
 
     def save_rank_state(self, root: Path, step: int, engine: Engine, keep: int) -> None:
-        opt_step = engine.get_optimizer_state()[1]
-        w = self.world
-        self.outer.save_rank_state(root, rank_state.RankStateInfo(step, w.rank, w.size, self.hosts, opt_step),
-                                   engine, keep)
+        save_rank_file(self.world, self.hosts, root, step, self.outer.rank_arrays(engine), keep,
+                       engine.get_optimizer_state()[1])
 
     def load_state_dict(self, shared: dict[str, np.ndarray] | None, root: Path, step: int, engine: Engine,
                         optimizer_step: int) -> list[Decision]:
@@ -138,17 +156,11 @@ class DiLoCoStrategy(Strategy):
             self.round_start = 0
             return []
         w = self.world
-        try:
-            own, own_step = rank_state.load(root, step, w.rank, w.size, self.hosts)
-            why = ""
-        except rank_state.RankStateMissing as e:
-            own, own_step, why = None, optimizer_step, str(e)
-        reasons = [r for r in w.allgather(why) if r]
+        own, own_step, why = load_rank_files(w, self.hosts, root, step)
         events = []
-        if reasons:
-            own = None
+        if why:
             events.append(Decision("diloco_resume", f"diloco: resuming from the shared outer state only "
-                                   f"({reasons[0]}); each rank restarts its round from the last synced weights"))
+                                   f"({why}); each rank restarts its round from the last synced weights"))
         period = int(own["rank.round"][1]) if own is not None and "rank.round" in own else None
         if self.box is not None:
             replayed = self.box.load_state_dict(shared, period or self.outer.dl.period)
@@ -303,11 +315,17 @@ class OuterSync:
         return {k: v for k, v in self.dl.state_dict().items()
                 if k.startswith("global.") and not k.startswith("global.anchor.")}
 
-    def save_rank_state(self, root: Path, info: rank_state.RankStateInfo, engine, keep: int) -> Path:
+    def rank_arrays(self, engine) -> dict[str, np.ndarray]:
+        """This rank's own: local weights (`weights.<param>`), DiLoCo's `rank.*` and, under the
+        rest of the names, the optimizer's state as the engine gives it (whatever its
+        `state_names`, or a task's own optimizer's)."""
         opt, _ = engine.get_optimizer_state()
         own = {k: v for k, v in self.dl.state_dict().items() if k.startswith("rank.")}
-        arrays = {**{f"weights.{k}": v for k, v in engine.get_weights().items()}, **opt, **own}
-        return rank_state.save(root, info, arrays, keep)
+        clash = [k for k in opt if k.startswith(("weights.", "rank."))]
+        if clash:
+            raise ValueError(f"diloco: the optimizer's state names {clash[0]!r} as this rank's file names its "
+                             "weights or round; rename the optimizer's state")
+        return {**{f"weights.{k}": v for k, v in engine.get_weights().items()}, **opt, **own}
 
     def restore(self, shared: dict[str, np.ndarray], own: dict[str, np.ndarray] | None, engine,
                 optimizer_step: int, period: int | None = None) -> None:
@@ -330,7 +348,8 @@ class OuterSync:
         self.dl.load_state_dict(state, rank_state=own is not None)
         if own is not None:
             engine.set_weights({k[len("weights."):]: v for k, v in own.items() if k.startswith("weights.")})
-            engine.set_optimizer_state({k: v for k, v in own.items() if k[:2] in ("m.", "v.")}, optimizer_step)
+            engine.set_optimizer_state({k: v for k, v in own.items() if not k.startswith(("weights.", "rank."))},
+                                       optimizer_step)
 
     def close(self) -> None:
         if self.overlap is not None:

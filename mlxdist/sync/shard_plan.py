@@ -19,19 +19,22 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], l
 
     `dist.shard=none` (data parallel) is checked too: where its plan does not fit a rank, one
     warning line says so and what to set, and the run goes on (the plan is an estimate).
-    DiLoCo (each rank its own model and outer state: another plan) and a rank whose limit is
-    unknown (0) are not checked."""
+    A strategy that is not data parallel sharded or not (DiLoCo: each rank its own model and outer
+    state, another plan; it declares itself not `shardable`) and a rank whose limit is unknown (0)
+    are not checked."""
     from ..control.memory_plan import lm_facts, plan
-    from .strategy import memory_lines
+    from .strategy import memory_lines, mode_strategy
 
     n_params = int(sum(engine.gradient_sizes()))
-    if cfg.dist.shard == "none" and (cfg.dist.mode == "diloco" or min(limits) <= 0 or n_params < 1):
+    shardable = mode_strategy(cfg).shardable
+    if cfg.dist.shard == "none" and (not shardable or min(limits) <= 0 or n_params < 1):
         return "none", []
     facts = lm_facts(cfg) if builtin_lm else None
     mp = plan(cfg, list(zip(hosts, limits, strict=True)), n_params,
               facts.activation_bytes_per_sample if facts else None, memory=memory_lines(),
               gather_params=facts.gather_params if facts else 0,
-              staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None)
+              staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None,
+              shardable=shardable)
     spec = engine_spec(engine.name)  # which modes it shards (engine/registry.py)
     if cfg.dist.shard == "none":
         line = mp.unsharded_warning(can_shard=spec.shards, auto=spec.auto_shard)

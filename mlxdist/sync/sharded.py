@@ -97,9 +97,6 @@ MB = 2**20
 def check_shardable(cfg: Config, world: World, engine: Engine, shard: str | None = None) -> None:
     """One line for what sharding cannot do (yet); `shard`: the mode as resolved (the run plan's)."""
     shard = shard or cfg.dist.shard
-    if cfg.dist.mode == "diloco":
-        raise world.agreed_error(f"dist.shard={shard} shards data parallel's optimizer; dist.mode=diloco keeps "
-                             "each rank's own optimizer: set dist.shard=none")
     if engine.capabilities.own_optimizer:
         raise world.agreed_error(f"dist.shard={shard} shards mlxdist's optimizer; this task brings its own optimizer "
                              "(Task.optimizer): drop it or set dist.shard=none")
@@ -146,6 +143,8 @@ class _Sender:
 class ShardedDataParallel(DataParallel):
     """Data parallel whose exchange and update are sharded; the rest (buffers, meeting every
     step, rollback, the model's weights in checkpoints) is data parallel's."""
+
+    gradient_wire = "summable"  # its reduce-scatter adds payloads hop by hop
 
     @classmethod
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:

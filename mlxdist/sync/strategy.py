@@ -5,13 +5,15 @@ when the ranks meet to share control numbers (stop requests, re-plans, rollback)
 the weight-drift check applies, what a checkpoint calls the model's weights, its own
 checkpoint state, its start-up checks and `close`. `Strategy` answers every hook as data
 parallel does, so a strategy writes only what it changes. Adding one is a module with a
-subclass and its entry in `STRATEGIES` (or `@register(name)`); `strategy_name` maps the
-config to a name.
+subclass and `@register(name)` (or a "module:Class" entry in `STRATEGIES`, `mlxdist/registry.py`);
+`strategy_name` maps the config to a name. What a strategy cannot be combined with it declares
+(`ranks_differ`, `shardable`, `gradient_wire`, `time_box`), and the config checks the declarations
+in one place (`config.check_pieces`); what its rank keeps alone goes through `save_rank_file` /
+`load_rank_files`.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
@@ -20,13 +22,16 @@ from typing import TypeVar
 
 import numpy as np
 
+from .. import registry
 from ..cluster.transport import Transport
 from ..cluster.world import World
-from ..config import Config
+from ..config import Config, ConfigError
 from ..control.memory_plan import MODES, Bytes, MemoryLine, RankNeed
 from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, StepStats
+from ..registry import SHARD_NAMES, STRATEGIES
+from ..state import rank_state
 from ..tasks import Batch
 from ..tasks.metrics import MetricSums
 
@@ -38,6 +43,23 @@ class Strategy(ABC):
 
     drift_check: bool = False  # whether all ranks should hold bit-identical weights after every step
     redo_after_oom: bool = True  # the loop may redo a step's micro-batches smaller after an out-of-memory
+    # What it cannot be combined with, declared, and checked in one place (`config.check_pieces`):
+    ranks_differ: bool = False  # ranks hold different weights between meetings: no one model each step
+    #                             to average (train.ema) or to normalise over ranks (train.sync_batchnorm)
+    shardable: bool = False  # dist.shard may run it sharded (zero1/2/3: data parallel's sharded forms);
+    #                          otherwise dist.shard is refused with it, never put in its place
+    gradient_wire: str = "any"  # the dist.wire_dtype codecs it takes: "any" (its gradients go through the
+    #                             run's reducer, which all-gathers a codec that is not summable), "summable"
+    #                             (its exchange adds payloads on the wire), "none" (it sends no gradients)
+    wire_key: str | None = None  # the key that names its own exchange's codec (DiLoCo: dist.outer_wire)
+    time_box: bool = False  # it takes dist.sync_every_s (a time box of its local phase)
+    title: str = ""  # as refusals name it ("DiLoCo"); empty: dist.mode=NAME
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """Refuse, from the config alone, what this strategy's own keys cannot be: one
+        `ConfigError` line naming the key (`load_config` calls it for the mode's strategy)."""
+        return None
 
     @classmethod
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
@@ -144,51 +166,44 @@ class Strategy(ABC):
         return None
 
 
-# The one registry: a name -> its class, or "module:Class" for a built-in imported on first use
-# (a run imports only the strategy it trains with).
-STRATEGIES: dict[str, type[Strategy] | str] = {
-    "data_parallel": "mlxdist.sync.data_parallel:DataParallel",
-    "zero1": "mlxdist.sync.sharded:ShardedDataParallel",
-    "zero2": "mlxdist.sync.sharded:ShardedDataParallel",
-    "zero3": "mlxdist.sync.fully_sharded:FullyShardedDataParallel",
-    "diloco": "mlxdist.sync.diloco_strategy:DiLoCoStrategy",
-}
-
-SHARD_NAMES = {"optimizer": "zero1", "gradients": "zero2", "weights": "zero3"}
-
 S = TypeVar("S", bound=type[Strategy])
 
 
 def register(name: str) -> Callable[[S], S]:
-    """A class decorator: the strategy under `name`. A name is registered once."""
-
-    def put(cls: S) -> S:
-        if name in STRATEGIES:
-            raise ValueError(f"strategy {name!r} is registered already ({STRATEGIES[name]}); choose another name")
-        STRATEGIES[name] = cls
-        return cls
-
-    return put
-
-
-def strategy_name(cfg: Config, shard: str | None = None) -> str:
-    """The registered name a run trains with: a sharded mode (dist.shard, `auto` resolved
-    before: `shard_plan.resolve_shard`) whatever dist.mode says (its check refuses what it
-    cannot combine with), else dist.mode's strategy."""
-    shard = shard or cfg.dist.shard
-    if shard in SHARD_NAMES:
-        return SHARD_NAMES[shard]
-    return "data_parallel" if cfg.dist.mode == "ddp" else cfg.dist.mode
+    """A class decorator: the strategy under `name` in `STRATEGIES` (`mlxdist/registry.py`);
+    dist.mode=NAME trains with it. A name is registered once (a built-in's too)."""
+    return registry.registrar(STRATEGIES, "strategy", name)
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    entry = STRATEGIES.get(name)
-    if entry is None:
-        raise KeyError(f"no sync strategy named {name!r}; registered: {', '.join(sorted(STRATEGIES))}")
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = STRATEGIES[name] = getattr(importlib.import_module(module), attr)
-    return entry
+    return registry.load(STRATEGIES, "sync strategy", name)
+
+
+def mode_strategy(cfg: Config) -> type[Strategy]:
+    """The strategy dist.mode names (before dist.shard is looked at)."""
+    return strategy_class(registry.mode_strategy_name(cfg.dist.mode))
+
+
+def strategy_name(cfg: Config, shard: str | None = None) -> str:
+    """The registered name a run trains with: dist.mode's strategy, or with dist.shard (`auto`
+    resolved before: `shard_plan.resolve_shard`) the sharded strategy for it, when dist.mode's
+    strategy declares itself `shardable`; a mode that is not is refused, never replaced."""
+    shard = shard or cfg.dist.shard
+    mode = registry.mode_strategy_name(cfg.dist.mode)
+    if shard in SHARD_NAMES or shard == "auto":
+        refusal = shard_refusal(strategy_class(mode), cfg.dist.mode, shard)
+        if refusal:
+            raise ConfigError(refusal)
+        return SHARD_NAMES.get(shard, mode)
+    return mode
+
+
+def shard_refusal(cls: type[Strategy], mode: str, shard: str) -> str | None:
+    """The line refusing dist.shard with dist.mode's strategy `cls`, or None where it may be sharded."""
+    if shard == "none" or cls.shardable:
+        return None
+    why = "keeps each rank's own optimizer" if cls.ranks_differ else "does not run sharded"
+    return f"dist.shard={shard} shards data parallel's optimizer; dist.mode={mode} {why}: set dist.shard=none"
 
 
 def memory_lines() -> dict[str, MemoryLine]:
@@ -203,7 +218,11 @@ def make_strategy(cfg: Config, world: World, engine: Engine, reducer, plan: RunP
     `shard` is dist.shard resolved); `transport`: the run's data plane
     (`cluster.transport.make_transport`), which strategies that own their exchange use; data
     parallel's goes through `reducer`."""
-    cls = strategy_class(strategy_name(cfg, plan.shard))
+    try:
+        name = strategy_name(cfg, plan.shard)
+    except ConfigError as e:
+        raise world.agreed_error(str(e)) from None
+    cls = strategy_class(name)
     cls.check(cfg, world, engine, plan)
     return cls(cfg, world, engine, plan, reducer, transport)
 
@@ -223,3 +242,28 @@ def share_state(world: World, engine: Engine, root: int = 0) -> None:
     engine.set_weights(weights)
     engine.set_optimizer_state(opt, world.bcast(opt_step, root))
     engine.set_state(state)
+
+
+def save_rank_file(world: World, hosts: list[str], root: Path, step: int, arrays: dict[str, np.ndarray],
+                   keep: int, optimizer_step: int | None = None) -> Path:
+    """What this rank keeps alone (its own weights, optimizer state, a wire's residuals) in its
+    file of `step` beside the run (`state/rank_state.py`), the newest `keep` kept."""
+    info = rank_state.RankStateInfo(step, world.rank, world.size, list(hosts),
+                                    step if optimizer_step is None else int(optimizer_step))
+    return rank_state.save(root, info, arrays, keep)
+
+
+def load_rank_files(world: World, hosts: list[str], root: Path, step: int
+                    ) -> tuple[dict[str, np.ndarray] | None, int | None, str]:
+    """This rank's file of `step`, on every rank or on none (collective: the ranks must agree on
+    what they resume from): (arrays, the optimizer's update count saved with them, "") when every
+    rank of this same cluster found a whole file, else (None, None, the first reason a rank gave)."""
+    own, own_step, why = None, None, ""
+    try:
+        own, own_step = rank_state.load(root, step, world.rank, world.size, list(hosts))
+    except rank_state.RankStateMissing as e:
+        why = str(e)
+    reasons = [r for r in world.allgather(why) if r]
+    if reasons:
+        return None, None, reasons[0]
+    return own, own_step, ""
