@@ -16,8 +16,8 @@ import pytest
 import yaml
 from helpers import FAST, env, final_weights, run_train
 
-from mlxdist.cluster.world import LaunchError, mlx_launch_backend, refuse_mlx_launch
 from mlxdist import registry
+from mlxdist.cluster.world import LaunchError, mlx_launch_backend, refuse_mlx_launch
 from mlxdist.config import Config, describe_keys, load_config
 from mlxdist.engine.registry import ENGINES
 from mlxdist.optim import OPTIMIZERS

@@ -24,17 +24,16 @@ from collections.abc import Mapping
 from typing import TypeVar
 
 from ..registry import register_in
-
 from .adamw import AdamW
 from .lion import Lion
 from .optimizer import Optimizer
 
 OPTIMIZERS: dict[str, type[Optimizer]] = {o.name: o for o in (AdamW, Lion)}
 
-O = TypeVar("O", bound=type[Optimizer])
+Opt = TypeVar("Opt", bound=type[Optimizer])
 
 
-def register_optimizer(cls: O) -> O:
+def register_optimizer(cls: Opt) -> Opt:
     """A class decorator: the optimizer under its `name` (train.optimizer=NAME). A name is
     registered once (a built-in's too)."""
     return register_in(OPTIMIZERS, "optimizer", cls.name, cls)
