@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import gate
 from .errors import PretrainedError
 
 if TYPE_CHECKING:
@@ -127,10 +128,14 @@ def _inspect_dir(p: Path, full_hash: bool) -> PretrainedInfo:
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise PretrainedError(f"model.path: {p}: not a Hugging Face model directory (no config.json)")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise PretrainedError(f"model.path: {cfg_file}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    try:  # a downloaded model's files are from elsewhere: read through the gate
+        config = gate.read_json(cfg_file, "model config", gate.Dict(values=gate.Tree()))
+        index = p / "model.safetensors.index.json"
+        index_map = (gate.read_json(index, "weight index", gate.Dict(
+            {"weight_map": gate.Dict(values=gate.Str(255))}, required=("weight_map",), values=gate.Tree()))
+            ["weight_map"] if index.is_file() else {})
+    except gate.FileRefused as e:
+        raise PretrainedError(f"model.path: {e}") from None
     model_type = config.get("model_type")
     if model_type not in SUPPORTED:
         raise PretrainedError(f"model.path: {cfg_file}: unsupported model_type {model_type!r} "
@@ -139,9 +144,8 @@ def _inspect_dir(p: Path, full_hash: bool) -> PretrainedInfo:
     if not weights:
         raise PretrainedError(f"model.path: {p}: no *.safetensors weights (re-save the model with "
                               "transformers' save_pretrained(..., safe_serialization=True))")
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        wanted = set(json.loads(index.read_text())["weight_map"].values())
+    if index_map:
+        wanted = set(index_map.values())
         missing = sorted(wanted - {w.name for w in weights})
         if missing:
             raise PretrainedError(f"model.path: {index}: shard {missing[0]} is missing")
