@@ -4,6 +4,7 @@ measures the wrong thing. Cluster tests need root; they skip with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -33,6 +34,21 @@ def _leftovers(c: SimCluster) -> list[str]:
         if dev == c.bridge or dev.startswith(c.tag + "v"):
             found.append(dev)
     return found
+
+
+def _gone(pid: int, within: float = 5.0) -> bool:
+    """Gone, or a zombie being reaped (empty cmdline); a SIGKILLed process may take a
+    moment on a loaded box."""
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    deadline = time.monotonic() + within
+    while True:
+        with contextlib.suppress(OSError):
+            if cmdline.read_bytes():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+                continue
+        return True
 
 
 @pytest.fixture(scope="module")
@@ -347,12 +363,23 @@ def test_signal_tears_down(tmp_path: Path, sig: signal.Signals) -> None:
         proc.wait(timeout=30)
         assert proc.returncode != 0
         assert _leftovers(c) == []
-        assert not Path(f"/proc/{pid}/cmdline").exists() or not Path(
-            f"/proc/{pid}/cmdline").read_bytes()  # gone, or a zombie being reaped
+        assert _gone(pid)
     finally:
         proc.kill()
         proc.wait()
         c.down()
+
+
+@pytest.mark.cluster
+def test_down_kills_a_process_launched_a_moment_before(tmp_path: Path) -> None:
+    """`down` right after `popen`: the wrapper has not joined the host's namespace yet, so
+    only the pid finds it; it must not live on in a namespace that lost its name."""
+    _need_cluster()
+    with SimCluster(2, name="mlxstrace", subnet="10.77.11", state_dir=tmp_path) as c:
+        procs = [c.popen(1, ["sleep", "60"]) for _ in range(5)]
+    for p in procs:
+        assert p.returncode is not None and p.returncode != 0
+        assert _gone(p.pid)
 
 
 def test_unavailable_says_how(monkeypatch: pytest.MonkeyPatch) -> None:

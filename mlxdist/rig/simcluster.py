@@ -220,6 +220,7 @@ class SimCluster:
         self.bridge = f"{self.tag}br"
         self._host_state: dict[str, dict[str, Any]] = {h: {} for h in self.hosts}
         self._prev_handlers: dict[int, Any] = {}
+        self._launched: list[subprocess.Popen] = []
         self._is_up = False
 
     # ----- naming -----------------------------------------------------------
@@ -479,6 +480,7 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
             out = _run(["ip", "netns", "list"], check=False).stdout
             nss = [ln.split()[0] for ln in out.splitlines() if ln.split()]
             nss = [ns for ns in nss if name_re.match(ns)]
+        self._kill_launched()
         for ns in nss:
             self._kill_ns(ns)
         for cg in self._cgroup_leaves():
@@ -542,6 +544,18 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
             with contextlib.suppress(OSError):
                 (d / "cgroup.subtree_control").write_text("+cpu")
         cg.mkdir(parents=True, exist_ok=True)
+
+    def _kill_launched(self) -> None:
+        """A process `popen` started may not have joined its host's namespace yet (its
+        wrapper is still exec'ing into `ip netns exec`); it is killed by pid, or it would
+        live on in a namespace that no longer has a name."""
+        for p in self._launched:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=5)
+        self._launched.clear()
 
     @staticmethod
     def _kill_cgroup(cg: Path) -> None:
@@ -619,8 +633,10 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         return subprocess.run(self.host_command(host, argv), **kw)
 
     def popen(self, host: str | int, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
-        """subprocess.Popen on a host, for servers a test talks to."""
-        return subprocess.Popen(self.host_command(host, argv), **kw)
+        """subprocess.Popen on a host, for servers a test talks to; `down` kills it."""
+        p = subprocess.Popen(self.host_command(host, argv), **kw)
+        self._launched = [q for q in self._launched if q.poll() is None] + [p]
+        return p
 
     def pids(self, host: str | int) -> list[int]:
         return self._ns_pids(self.netns(host))
