@@ -16,6 +16,7 @@ from collections import deque
 import numpy as np
 
 from .codec import bf16_bits, bf16_to_f32
+from .world import Doorbell, wait_some
 
 # Below this many bytes an array goes through MPI's Allreduce: latency, not bandwidth,
 # decides there, and one collective call beats 2(n-1) ring messages.
@@ -44,7 +45,8 @@ def _add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
 
 
 def ring_allreduce(comm, srcs: list[np.ndarray], outs: list[np.ndarray],
-                   segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
+                   segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW,
+                   bell: Doorbell | None = None) -> None:
     """Sum `srcs` over all ranks of `comm` into `outs` (same shapes; flat arrays).
 
     Reduce-scatter then all-gather around the ring rank -> rank+1, each of the
@@ -53,8 +55,6 @@ def ring_allreduce(comm, srcs: list[np.ndarray], outs: list[np.ndarray],
     Every chunk is summed in one fixed order along the ring and then copied to all
     ranks, so all ranks get bit-identical results.
     """
-    from mpi4py import MPI
-
     n, rank = comm.Get_size(), comm.Get_rank()
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     steps = 2 * (n - 1)
@@ -107,8 +107,10 @@ def ring_allreduce(comm, srcs: list[np.ndarray], outs: list[np.ndarray],
             sends += 1
 
     pump()
+    first = True
     while reqs:
-        done = MPI.Request.Waitsome(reqs) or []
+        done = wait_some(reqs, bell, fresh=first)  # asleep while nothing arrives (world.POLL_SPIN_S)
+        first = False
         finished = set(done)
         for i in done:
             m = meta[i]
@@ -133,8 +135,8 @@ class _Pump:
     """Point-to-point messages of one ring collective: receives posted in plan order and sends
     queued, at most `window` of each in flight, each with a callback when it completes."""
 
-    def __init__(self, comm, window: int):
-        self.comm, self.window = comm, window
+    def __init__(self, comm, window: int, bell: Doorbell | None):
+        self.comm, self.window, self.bell = comm, window, bell
         self.recv_plan: deque = deque()  # (make_buffer, source, tag, done(buffer))
         self.send_queue: deque = deque()  # (buffer, dest, tag, done or None)
         self.reqs: list = []
@@ -155,11 +157,11 @@ class _Pump:
             self.sends += 1
 
     def run(self) -> None:
-        from mpi4py import MPI
-
         self._post()
+        first = True
         while self.reqs:
-            finished = set(MPI.Request.Waitsome(self.reqs) or [])
+            finished = set(wait_some(self.reqs, self.bell, fresh=first))
+            first = False
             for i in sorted(finished):
                 is_recv, buf, done = self.meta[i]
                 if is_recv:
@@ -184,7 +186,8 @@ def _tags(owners: list[Ranges], n: int, seg_elems: int):
 
 
 def ring_reduce_scatter(comm, srcs: list[np.ndarray], owners: list[Ranges], out: np.ndarray,
-                        segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
+                        segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW,
+                        bell: Doorbell | None = None) -> None:
     """Sum `srcs` (flat arrays, same on every rank) over the ranks of `comm`, each rank
     receiving only the ranges it owns: `owners[a][r]` is rank r's [lo, hi) of array a, of
     any sizes (the sharded strategy sizes them by memory). `out` gets this rank's ranges,
@@ -200,7 +203,7 @@ def ring_reduce_scatter(comm, srcs: list[np.ndarray], owners: list[Ranges], out:
     """
     n, rank = comm.Get_size(), comm.Get_rank()
     nxt, prv = (rank + 1) % n, (rank - 1) % n
-    pump = _Pump(comm, window)
+    pump = _Pump(comm, window, bell)
     pool: list[np.ndarray] = []
     dtype = srcs[0].dtype if srcs else np.float32
     seg_elems = max(1, segment_bytes // np.dtype(dtype).itemsize)
@@ -247,7 +250,8 @@ def ring_reduce_scatter(comm, srcs: list[np.ndarray], owners: list[Ranges], out:
 
 
 def ring_allgather(comm, outs: list[np.ndarray], owners: list[Ranges],
-                   segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW) -> None:
+                   segment_bytes: int = RING_SEGMENT_BYTES, window: int = RING_WINDOW,
+                   bell: Doorbell | None = None) -> None:
     """Every rank's ranges `owners[a][r]` of `outs` (flat arrays), already in place on their
     owner, copied to every rank: `ring_allreduce`'s second half with unequal chunks, each
     range travelling n - 1 hops from its owner, segments forwarded as they arrive."""
@@ -255,7 +259,7 @@ def ring_allgather(comm, outs: list[np.ndarray], owners: list[Ranges],
     if n == 1:
         return
     nxt, prv = (rank + 1) % n, (rank - 1) % n
-    pump = _Pump(comm, window)
+    pump = _Pump(comm, window, bell)
     seg_elems = max(1, segment_bytes // outs[0].itemsize) if outs else 1
     tag = _tags(owners, n, seg_elems)
 

@@ -28,6 +28,12 @@ float16, or uint8 payloads (`all_gather_bytes`). What goes on the wire is `codec
 The MLX engine's gradient sum keeps MLX arrays (`all_sum_arrays`), so an mlx-* backend makes
 no numpy round trip. A blocking collective is named to the stall watchdog (`World.watch`);
 a channel's are not (its thread is not the one the watchdog names).
+
+Waiting is polite (issue 51): every MPI collective here is nonblocking, waited for by
+`world.wait_all` (asleep until the last peer rings this transport's doorbell, then a transfer
+that yields the core), never inside Open MPI's busy-polling blocking calls. MLX's collectives
+wait inside MLX, spinning: `MlxTransport` first waits politely for every rank over mpi4py, so
+only the transfer spins there.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import numpy as np
 
 from .codec import bf16_bits, bf16_to_f32
 from .ring import RING_MIN_BYTES, Ranges, ring_allgather, ring_allreduce, ring_reduce_scatter
-from .world import World
+from .world import Doorbell, World, arrive, wait_all
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -154,7 +160,7 @@ class MpiTransport(Transport):
     name = "mpi4py"
     direct_min_bytes = RING_MIN_BYTES
 
-    def __init__(self, world: World, comm: Any = None, *, watch: bool = True, multi_host: bool | None = None,
+    def __init__(self, world: World, comm: Any = None, *, watch: bool = True, hosts: list[str] | None = None,
                  pipelined: bool = False, graph: tuple[Any, str] | None = None):
         # graph: (an mx.distributed group, its backend's name) for the in-graph sums alone
         self.graph_group = graph[0] if graph else None
@@ -168,7 +174,10 @@ class MpiTransport(Transport):
         self.ring_comm = self.comm.Dup()
         # Within one host Open MPI's shared-memory collectives beat the ring 2-4x (64 KiB
         # messages through shared memory); the ring pays off where a network link is.
-        self.multi_host = len(set(world.allgather(world.host))) > 1 if multi_host is None else multi_host
+        self.hosts = world.allgather(world.host) if hosts is None else hosts
+        self.multi_host = len(set(self.hosts)) > 1
+        # Its own: a channel's waits run on another thread than the world's
+        self.bell = Doorbell.make(self.comm, self.hosts, world.label)
         self.pipelined, self._watching = pipelined, watch
         self._out_cache: dict[tuple[int, int, str], np.ndarray] = {}
         self._received: dict[int, np.ndarray] = {}
@@ -202,19 +211,20 @@ class MpiTransport(Transport):
         limit = 0 if identical else RING_MIN_BYTES if self.multi_host else 1 << 62
         big = [i for i, b in enumerate(bufs) if b.nbytes >= limit]
         with self.watch(what):
-            reqs = []
+            reqs, widened = [], []
             for i in (i for i, b in enumerate(bufs) if b.nbytes < limit):
                 if bufs[i].dtype == np.uint16:  # MPI cannot sum bfloat16 bits: fp32, rounded back
                     f32 = bf16_to_f32(bufs[i])
-                    self.comm.Allreduce(MPI.IN_PLACE, f32, op=MPI.SUM)
-                    outs[i] = bf16_bits(f32)
-                elif self.multi_host:
-                    reqs.append(self.comm.Iallreduce(bufs[i], outs[i], op=MPI.SUM))
+                    reqs.append(self.comm.Iallreduce(MPI.IN_PLACE, f32, op=MPI.SUM))
+                    widened.append((i, f32))
                 else:
-                    self.comm.Allreduce(bufs[i], outs[i], op=MPI.SUM)
+                    reqs.append(self.comm.Iallreduce(bufs[i], outs[i], op=MPI.SUM))
             if big:
-                ring_allreduce(self.ring_comm, [bufs[i] for i in big], [outs[i] for i in big])
-            MPI.Request.Waitall(reqs)
+                ring_allreduce(self.ring_comm, [bufs[i] for i in big], [outs[i] for i in big], bell=self.bell)
+            if reqs:  # the same on every rank: the sizes are
+                wait_all(reqs, self.bell)
+            for i, f32 in widened:
+                outs[i] = bf16_bits(f32)
         return outs
 
     def all_sum_arrays(self, arrays: list[mx.array]) -> list[mx.array]:
@@ -236,7 +246,7 @@ class MpiTransport(Transport):
         dtype = srcs[0].dtype if srcs else np.dtype(np.float32)
         with self.watch(what):
             if self._ring_for(nbytes, dtype):  # sends everything at once: nothing to let go early
-                ring_reduce_scatter(self.ring_comm, srcs, owners, out)
+                ring_reduce_scatter(self.ring_comm, srcs, owners, out, bell=self.bell)
             else:
                 self._reduce_per_owner(srcs, owners, out, consume, bucket)
 
@@ -263,12 +273,14 @@ class MpiTransport(Transport):
                 for a, _, hi in pieces:
                     if hi == sizes[a]:
                         srcs[a] = None
-            start = 0
+            start, reqs = 0, []
             for o, n in enumerate(counts):
                 if n:
                     into = out[at:at + n] if o == self.rank else None
-                    self.comm.Reduce(send[start:start + n], into, op=MPI.SUM, root=o)
+                    reqs.append(self.comm.Ireduce(send[start:start + n], into, op=MPI.SUM, root=o))
                 start += n
+            if reqs:
+                wait_all(reqs, self.bell)  # before `send` is packed again
             at += counts[self.rank]
 
     def all_gather(self, outs: list[np.ndarray], owners: list[Ranges], what: str = "weight all-gather", *,
@@ -278,32 +290,38 @@ class MpiTransport(Transport):
         nbytes = sum(o.nbytes for o in outs)
         with self.watch(what):
             if self._ring_for(nbytes, outs[0].dtype if outs else np.dtype(np.float32)):
-                ring_allgather(self.ring_comm, outs, owners)
+                ring_allgather(self.ring_comm, outs, owners, bell=self.bell)
                 return
+            reqs = []
             for buf, ranges in zip(outs, owners, strict=True):
                 for lo in range(0, buf.size, bucket):
                     hi = min(buf.size, lo + bucket)
                     counts, displs = _part(ranges, lo, hi)
                     if any(counts):  # a part of the buffer (ZeRO-1's chunk at a time) skips the rest
-                        self.comm.Allgatherv(MPI.IN_PLACE, [buf[lo:hi], (counts, displs)])
+                        reqs.append(self.comm.Iallgatherv(MPI.IN_PLACE, [buf[lo:hi], (counts, displs)]))
+            if reqs:
+                wait_all(reqs, self.bell)
 
     def gather(self, mine: np.ndarray, ranges: Ranges, total: int, root: int, what: str = "gather", *,
                bucket: int = BUCKET_ELEMS) -> np.ndarray | None:
         full = np.empty(total, mine.dtype) if self.rank == root else None
         my_lo = ranges[self.rank][0]
-        with self.watch(what, patience=10):
+        with self.watch(what, patience=10):  # peers may wait long here, while rank 0 writes a checkpoint
+            reqs = []
             for lo in range(0, total, bucket):
                 hi = min(total, lo + bucket)
                 counts, displs = _part(ranges, lo, hi)
                 at = max(my_lo, lo) - my_lo
                 recv = [full[lo:hi], (counts, displs)] if full is not None else None
-                self.comm.Gatherv(mine[at:at + counts[self.rank]], recv, root=root)
+                reqs.append(self.comm.Igatherv(mine[at:at + counts[self.rank]], recv, root=root))
+            if reqs:
+                wait_all(reqs, self.bell)
         return full
 
     def broadcast(self, bufs: list[np.ndarray], root: int = 0, what: str = "broadcast") -> None:
-        with self.watch(what):
-            for b in bufs:
-                self.comm.Bcast(b, root=root)
+        if bufs:
+            with self.watch(what):
+                wait_all([self.comm.Ibcast(b, root=root) for b in bufs], self.bell)
 
     def all_gather_bytes(self, payload: np.ndarray) -> list[np.ndarray]:
         buf = np.ascontiguousarray(payload, np.uint8)
@@ -311,18 +329,20 @@ class MpiTransport(Transport):
         if out is None:
             out = self._received[buf.size] = np.empty(self.size * buf.size, np.uint8)
         with self.watch("payload all-gather"):
-            self.comm.Allgather(buf, out)
+            wait_all([self.comm.Iallgather(buf, out)], self.bell)
         return list(out.reshape(self.size, buf.size))
 
     def barrier(self, what: str = "barrier") -> None:
         with self.watch(what):
-            self.comm.Barrier()
+            arrive(self.comm, self.bell)
 
     def channel(self, pipelined: bool = False) -> Transport:
-        return MpiTransport(self.world, self.comm.Dup(), watch=False, multi_host=self.multi_host,
-                            pipelined=pipelined)
+        return MpiTransport(self.world, self.comm.Dup(), watch=False, hosts=self.hosts, pipelined=pipelined)
 
     def close(self) -> None:
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
         if self.ring_comm is not None:
             self.ring_comm.Free()
             self.ring_comm = None
@@ -412,9 +432,14 @@ class MlxTransport(Transport):
         return self.world.watch(what, patience)
 
     def _run(self, what: str, arrays: list) -> list:
+        """Evaluate collectives whose inputs are ready. MLX waits inside its own calls, and
+        does not sleep there (its ring retries its sockets, its mpi backend busy-polls Open
+        MPI), so every rank first waits politely for the others over mpi4py: what spins in
+        MLX is then only the transfer."""
         import mlx.core as mx
 
         with self.watch(what):
+            arrive(self.mpi.comm, self.mpi.bell)
             mx.eval(arrays)  # on every rank (PLATFORM_NOTES: a collective evaluated on one hangs)
         return arrays
 
@@ -422,6 +447,9 @@ class MlxTransport(Transport):
         return f"{self.name} sum_scatter" if self.sum_scatter else f"{self.name} all_sum (each rank keeps its ranges)"
 
     def all_sum_arrays(self, arrays: list[mx.array]) -> list[mx.array]:
+        import mlx.core as mx
+
+        mx.eval(arrays)  # computed before the ranks meet, not while a peer waits in MLX
         return self._run("gradient all-reduce", self.all_sum_in_graph(arrays))
 
     def all_sum_in_graph(self, arrays: list[mx.array]) -> list[mx.array]:

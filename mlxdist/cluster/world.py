@@ -9,12 +9,16 @@ so `init_world` is told which data-plane backend will follow.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import json
 import os
+import pickle
+import select
 import shutil
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -30,6 +34,168 @@ from .. import markers
 from ..config import ConfigError
 
 ABORT_GRACE_S = 5.0
+
+# How a rank waits for its peers (issue 51). Open MPI busy-polls inside a blocking call, so a
+# fast Mac waiting for a slow one burns a core (and a MacBook's battery and GPU headroom) for
+# nothing, and where ranks share cores with each other or with other work the spinning one
+# steals the core the late one needs (a your-loop step under two busy-loop processes: 2.1-2.3x
+# DDP's, whose gloo sleeps in the kernel until its socket has data). Open MPI has no wait that
+# sleeps (its shared-memory transport is polled), so every collective here is a nonblocking
+# call, polled: back to back for POLL_SPIN_S (a peer about to arrive costs no sleep), then
+# - while a peer is not here yet, asleep on the communicator's `Doorbell`, which every rank
+#   rings as it enters a collective: woken by the kernel the moment the last peer comes, as gloo
+#   is, else every POLL_MAX_S (a net under a lost datagram; each wake-up costs 30-50 us of CPU);
+# - once every peer is here, the transfer: on one host Open MPI moves shared-memory fragments
+#   only while both sides poll, so the rank polls and yields its core between polls
+#   (`sched_yield`: at full speed on a quiet box, the core to whoever needs it on a busy one;
+#   sleeping there instead made a 3 MB all-reduce several times slower). Between hosts the kernel
+#   holds what arrives, so the rank sleeps between polls, each sleep TRANSFER_FRACTION of the
+#   transfer so far (at least POLL_MIN_S, at most TRANSFER_MAX_S).
+# Without a doorbell nothing would wake a waiting rank, so it polls on short timers (BLIND_*):
+# at most 1/16 of its wait late, with more wake-ups.
+POLL_SPIN_S = 50e-6
+POLL_MAX_S = 0.2
+POLL_MIN_S = 50e-6
+TRANSFER_FRACTION, TRANSFER_MAX_S = 1 / 8, 2e-3
+BLIND_FRACTION, BLIND_MAX_S = 1 / 16, 5e-3
+_SEQ = struct.Struct("!Q")
+
+
+class Doorbell:
+    """A UDP socket per communicator and rank: a rank entering a collective sends its peers the
+    collective's number (the same on every rank: collectives are entered in one order), and a
+    peer asleep in `sleep` wakes at once. A datagram says only "rank r has reached collective k":
+    one from a stranger is dropped, one lost makes a wait up to POLL_MAX_S late; never a wrong
+    result."""
+
+    def __init__(self, sock: socket.socket, table: list[tuple[str, int]], rank: int, hosts: list[str]):
+        self.sock = sock
+        self.peers = [tuple(a) for r, a in enumerate(table) if r != rank]
+        self._peer_of = {a: i for i, a in enumerate(self.peers)}
+        self.one_host = len(set(hosts)) == 1
+        self.current = 0  # the number of this rank's current collective
+        self.reached = [0] * len(self.peers)  # the highest each peer rang for
+
+    @classmethod
+    def make(cls, comm: Any, hosts: list[str], label: str) -> Doorbell | None:
+        """Collective (`hosts`: every rank's host name). None on every rank, said in one line by
+        each rank that could not open its socket, where any could not: waits then poll on short
+        timers (BLIND_*), later and with more wake-ups, never wrong."""
+        from .heartbeat import local_address
+
+        sock = None
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind((local_address(hosts, comm.Get_rank()), 0))
+            sock.setblocking(False)
+            mine, why = sock.getsockname(), None
+        except OSError as e:
+            mine, why = None, e
+        table = allgather_objects(comm, mine, None)
+        if why is not None:
+            markers.write_line(f"mlxdist: {label}: no doorbell socket ({why}); a rank waiting for its peers "
+                               f"polls on a timer (up to {BLIND_FRACTION:.0%} of its wait late, more wake-ups)")
+        if any(a is None for a in table):
+            if sock is not None:
+                sock.close()
+            return None
+        return cls(sock, table, comm.Get_rank(), hosts)
+
+    def enter(self) -> None:
+        """This rank has reached its next collective: ring every peer, hear who rang already."""
+        self.current += 1
+        packet = _SEQ.pack(self.current)
+        for peer in self.peers:
+            with contextlib.suppress(OSError):  # a full buffer or a peer gone: its timer wakes it
+                self.sock.sendto(packet, peer)
+        self._hear()
+
+    def all_here(self) -> bool:
+        """Whether every peer has rung for this collective (or a later one), as last heard."""
+        return all(k >= self.current for k in self.reached)
+
+    def sleep(self, seconds: float) -> None:
+        """Until a datagram comes or `seconds` pass."""
+        select.select([self.sock], [], [], seconds)
+        self._hear()  # what stays queued would end every later sleep at once
+
+    def _hear(self) -> None:
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing more queued
+            while True:
+                data, source = self.sock.recvfrom(64)
+                peer = self._peer_of.get(source)
+                if peer is not None and len(data) == _SEQ.size:
+                    self.reached[peer] = max(self.reached[peer], _SEQ.unpack(data)[0])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _polite(test, bell: Doorbell | None, fresh: bool):
+    """`test()` until it gives something true (see POLL_SPIN_S). `fresh`: a new collective,
+    whose peers may not be here yet; else the rest of one whose peers are (the ring's later
+    segments)."""
+    since = time.perf_counter()
+    if bell is not None and fresh:
+        bell.enter()
+    here = None if bell is not None and fresh else since  # when the last peer came
+    while True:
+        done = test()
+        if done:
+            return done
+        now = time.perf_counter()
+        if now - since < POLL_SPIN_S:
+            continue
+        if bell is None:
+            time.sleep(min(BLIND_MAX_S, max(POLL_MIN_S, (now - since) * BLIND_FRACTION)))
+        elif here is None:
+            if bell.all_here():
+                here = now
+            else:
+                bell.sleep(POLL_MAX_S)
+        elif bell.one_host:
+            os.sched_yield()
+        else:
+            bell.sleep(min(TRANSFER_MAX_S, max(POLL_MIN_S, (now - here) * TRANSFER_FRACTION)))
+
+
+def wait_all(requests: list, bell: Doorbell | None = None) -> None:
+    """A collective's MPI requests to completion, asleep while peers are late (POLL_SPIN_S)."""
+    from mpi4py import MPI
+
+    _polite(lambda: MPI.Request.Testall(requests), bell, True)
+
+
+def wait_some(requests: list, bell: Doorbell | None = None, fresh: bool = False) -> list[int]:
+    """Indices of the requests that completed (at least one, unless none is active), as
+    `Waitsome` but politely: the ring calls it once per completion, `fresh` the first time."""
+    from mpi4py import MPI
+
+    def test():
+        done = MPI.Request.Testsome(requests)
+        return [None] if done is None else done  # none active: done, with nothing to report
+
+    return [i for i in _polite(test, bell, fresh) if i is not None]
+
+
+def allgather_objects(comm: Any, obj: Any, bell: Doorbell | None) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order: sizes, then bytes, each waited for politely
+    (mpi4py's pickled collectives block, busy-polling)."""
+    from mpi4py import MPI
+
+    mine = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), np.uint8)
+    sizes = np.empty(comm.Get_size(), np.int64)
+    wait_all([comm.Iallgather(np.array([mine.size], np.int64), sizes)], bell)
+    got = np.empty(int(sizes.sum()), np.uint8)
+    ends = np.cumsum(sizes)
+    wait_all([comm.Iallgatherv(mine, [got, (sizes, ends - sizes), MPI.BYTE])], bell)
+    return [pickle.loads(got[e - n:e].tobytes()) for n, e in zip(sizes, ends, strict=True)]
+
+
+def arrive(comm: Any, bell: Doorbell | None = None) -> None:
+    """Every rank of `comm` has reached this point (a polite barrier): then a blocking
+    collective that follows spins only for its own transfer, not for a late peer."""
+    wait_all([comm.Ibarrier()], bell)
 
 
 def mpi_library(platform: str, prefix: str | os.PathLike[str] | None) -> str:
@@ -130,6 +296,7 @@ class World:
     _progress: int = 0  # collectives entered: the same sequence on every rank
     _heartbeat: Any = None
     _suspended: tuple[float, float] | None = None  # (noticed at, seconds) of this rank's own freeze
+    bell: Doorbell | None = None  # wakes this rank's waits in `comm` (main thread)
 
     def agreed_error(self, text: str) -> ConfigError:
         """An error every rank raises together, decided from the same config or gathered facts:
@@ -148,16 +315,26 @@ class World:
         return f"rank {self.rank} ({self.host})"
 
     def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order (mpi4py's pickled collectives block, so
+        sizes then bytes, each waited for politely)."""
         if self.comm is None:
             return [obj]
         with self.watch("control all-gather"):
-            return self.comm.allgather(obj)
+            return allgather_objects(self.comm, obj, self.bell)
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
+        """`root`'s picklable `obj` on every rank (size then bytes, as `allgather`)."""
         if self.comm is None:
             return obj
         with self.watch("control broadcast"):
-            return self.comm.bcast(obj, root=root)
+            data = np.frombuffer(bytearray(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)), np.uint8) \
+                if self.rank == root else None
+            size = np.array([data.size if data is not None else 0], np.int64)
+            wait_all([self.comm.Ibcast(size, root=root)], self.bell)
+            if data is None:
+                data = np.empty(int(size[0]), np.uint8)
+            wait_all([self.comm.Ibcast(data, root=root)], self.bell)
+        return obj if self.rank == root else pickle.loads(data.tobytes())
 
     def allreduce_sum(self, values: list[float]) -> list[float]:
         """Exact float64 sums of a few scalars (token counts, loss sums)."""
@@ -168,7 +345,7 @@ class World:
 
         out = np.empty_like(buf)
         with self.watch("stats all-reduce"):
-            self.comm.Allreduce(buf, out, op=MPI.SUM)
+            wait_all([self.comm.Iallreduce(buf, out, op=MPI.SUM)], self.bell)
         return out.tolist()
 
     def allreduce_arrays(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -177,13 +354,14 @@ class World:
             return {n: np.asarray(a, np.float64) for n, a in arrays.items()}
         from mpi4py import MPI
 
-        out = {}
+        out, reqs = {}, []
         with self.watch("state all-reduce"):
             for name in sorted(arrays):
                 buf = np.ascontiguousarray(arrays[name], np.float64)
                 total = np.empty_like(buf)
-                self.comm.Allreduce(buf, total, op=MPI.SUM)
+                reqs.append(self.comm.Iallreduce(buf, total, op=MPI.SUM))
                 out[name] = total.reshape(np.shape(arrays[name]))
+            wait_all(reqs, self.bell)
         return out
 
     def broadcast_arrays(self, arrays: dict[str, np.ndarray], root: int = 0) -> dict[str, np.ndarray]:
@@ -193,33 +371,25 @@ class World:
             return arrays
         layout = self.bcast({k: (a.shape, a.dtype.str) for k, a in arrays.items()} if self.rank == root else None,
                             root)
-        out = {}
+        out, reqs = {}, []
         with self.watch("state broadcast", patience=10):
             for name, (shape, dtype) in layout.items():
                 buf = np.ascontiguousarray(arrays[name]) if self.rank == root else np.empty(shape, np.dtype(dtype))
-                self.comm.Bcast(buf, root=root)
+                reqs.append(self.comm.Ibcast(buf, root=root))
                 out[name] = buf.reshape(shape)  # ascontiguousarray makes a 0-d array 1-d
+            if reqs:
+                wait_all(reqs, self.bell)
         return out
 
     def barrier(self, what: str = "barrier", patience: float = 1.0) -> None:
         if self.comm is not None:
             with self.watch(what, patience):
-                self.comm.Barrier()
+                arrive(self.comm, self.bell)
 
     def rendezvous(self, what: str) -> None:
-        """Wait until every rank gets here, sleeping rather than spinning.
-
-        Open MPI busy-polls inside a blocking collective, so a fast Mac waiting for a slow
-        one would burn a core (and a MacBook's battery) for nothing, and where ranks share
-        cores the spinning one steals them from the one still computing. Entering the
-        step's collectives only once all ranks have arrived keeps their spin short."""
-        if self.comm is None:
-            return
-        with self.watch(what):
-            req, pause = self.comm.Ibarrier(), 2e-5
-            while not req.Test():
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+        """Wait until every rank gets here, sleeping rather than spinning: a barrier under the
+        name of what the ranks were doing, which the stall watchdog reports if one never comes."""
+        self.barrier(what)
 
     def abort(self, message: str, code: int = 3, reason: str = "error") -> None:
         """End every rank of the job: a half-dead job that hangs is the worst outcome.
@@ -392,6 +562,9 @@ def init_world(backend: str = "mpi4py") -> World:
     comm = MPI.COMM_WORLD
     host = socket.gethostname()
     local_rank = _env_int("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
-    return World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local_rank, host=host,
-                 launcher="mpirun", comm=comm)
+    world = World(rank=comm.Get_rank(), size=comm.Get_size(), local_rank=local_rank, host=host,
+                  launcher="mpirun", comm=comm)
+    if world.size > 1:
+        world.bell = Doorbell.make(comm, world.allgather(host), world.label)
+    return world
 
