@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import registry
 from ..cluster.world import find_mpirun
 from .runs import REPO, check, finish, namespace_hosts, read_events, set_env
-
-WIRES = ("float32", "bfloat16", "float16", "int8", "int4")
 
 
 def _launch(n: int, args: list[str], run_dir: Path, timeout: float, cluster=None) -> subprocess.CompletedProcess:
@@ -105,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="1gbit", help="every host's link rate (tc syntax)")
     p.add_argument("--subnet", default="10.79.9", help="the hosts' /24")
     p.add_argument("--engine", default="mlx", choices=("mlx", "torch"))
-    p.add_argument("--wires", default="float32,int8", help="comma-separated dist.wire_dtype values; float32 always runs")
+    p.add_argument("--wires", default="float32,int8", help="comma-separated dist.wire_dtype values, any registered codec "
+                   f"({', '.join(registry.codec_names())}); float32 always runs")
     p.add_argument("--model", default="model.preset=tiny,model.dim=256,model.ffn_dim=704",
                    help="comma-separated model overrides (default: 3.0M parameters)")
     p.add_argument("--batch", type=int, default=4, help="samples per rank per step")
@@ -117,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the numbers to this file")
     args = p.parse_args(argv)
     wires = ["float32", *[w for w in args.wires.split(",") if w and w != "float32"]]
-    for w in wires:
-        if w not in WIRES:
-            p.error(f"--wires: {w} is not one of {', '.join(WIRES)}")
+    for w in wires:  # any registered codec, with its parameter (topk:0.125)
+        try:
+            registry.make(registry.CODECS, "wire format", w, "--wires", registry.CODEC_ALIASES)
+        except ValueError as e:
+            p.error(str(e))
     if args.steps <= args.skip:
         p.error("--steps must exceed --skip")
     set_env()
