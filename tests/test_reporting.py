@@ -85,3 +85,23 @@ def test_an_outer_sync_sets_the_diloco_series(tmp_path):
     assert [s.value for s in _samples(metrics, "mlxdist_outer_sync_seconds") if s.name.endswith("_sum")] == [1.2]
     assert [s.value for s in _samples(metrics, "mlxdist_pseudo_grad_norm")] == [0.25]
     assert [s.value for s in _samples(metrics, "mlxdist_inner_steps")] == [50.0]
+
+
+def test_a_full_disk_under_the_logs_is_said_once_and_training_goes_on(tmp_path, capfd):
+    """/dev/full answers every write with ENOSPC, as a full disk does: the first failed line
+    is said naming the file, the rest are counted, and nothing raises into the loop."""
+    (tmp_path / "logs").mkdir()
+    for name in ("rank0.jsonl", "rank1.jsonl", "rank1.log"):
+        (tmp_path / "logs" / name).symlink_to("/dev/full")
+    for rank in (0, 1):
+        report, _ = _reporter(tmp_path, rank)
+        for step in range(5):
+            report.emit("rollback", f"rollback: back to step {step}", step=step, lr_scale=0.5)
+        report.close()
+    err = capfd.readouterr().err.splitlines()
+    cannot = [ln for ln in err if "cannot write" in ln]
+    assert len(cannot) == 3, err
+    assert all("No space left on device" in ln and "training goes on" in ln for ln in cannot)
+    assert any("rank 0 (hostA)" in ln and "rank0.jsonl" in ln for ln in cannot)
+    assert any("rank1.log" in ln for ln in cannot)
+    assert any("5 lines not written to" in ln and "rank0.jsonl" in ln for ln in err)

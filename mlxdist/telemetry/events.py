@@ -6,6 +6,7 @@ terminal. Non-zero ranks print nothing to the terminal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -15,12 +16,46 @@ from typing import Any, TextIO
 from .. import markers
 
 
+class LogFile:
+    """A line-buffered log file that a full or failing disk cannot stop training with: the
+    first write that fails is said in one line naming the file, later lines are counted, not
+    written, and the count is said at close. Checkpoints, which do matter, refuse on their own."""
+
+    def __init__(self, path: Path, label: str):
+        self.path, self.label = path, label
+        self._f: TextIO | None = open(path, "a", buffering=1)
+        self.dropped = 0
+
+    def write(self, text: str) -> None:
+        if self._f is None:
+            self.dropped += 1
+            return
+        try:
+            self._f.write(text)
+        except OSError as e:
+            self.dropped += 1
+            with contextlib.suppress(OSError):
+                self._f.close()
+            self._f = None
+            markers.write_line(f"mlxdist: {self.label}: cannot write {self.path} ({e.strerror or e}); training goes on "
+                               "without it: free space there (or set train.out_dir elsewhere for the next run)")
+
+    def close(self) -> None:
+        if self._f is not None:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            self._f = None
+        if self.dropped:
+            markers.write_line(f"mlxdist: {self.label}: {self.dropped} lines not written to {self.path}")
+            self.dropped = 0
+
+
 class EventLog:
     def __init__(self, run_dir: str | Path, rank: int, host: str):
         path = Path(run_dir) / "logs"
         path.mkdir(parents=True, exist_ok=True)
         self.path = path / f"rank{rank}.jsonl"
-        self._f: TextIO = open(self.path, "a", buffering=1)
+        self._f = LogFile(self.path, f"rank {rank} ({host})")
         self.base = {"rank": rank, "host": host}
 
     def write(self, event: str, **fields: Any) -> None:

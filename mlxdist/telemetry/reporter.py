@@ -9,10 +9,10 @@ counted, or counted under a name the event log does not use.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from .. import markers
-from .events import EventLog, Progress
+from .events import EventLog, LogFile, Progress
 from .metrics import Metrics
 from .trackers import Trackers
 
@@ -22,10 +22,10 @@ class Log:
 
     def __init__(self, rank: int, label: str, run_dir: Path, progress: Progress | None = None):
         self.label = label
-        self.file: TextIO | None = None
+        self.file: LogFile | None = None
         if rank != 0:
             (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            self.file = open(run_dir / "logs" / f"rank{rank}.log", "a", buffering=1)
+            self.file = LogFile(run_dir / "logs" / f"rank{rank}.log", label)
         self.progress = progress
 
     def __call__(self, text: str) -> None:
