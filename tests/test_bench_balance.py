@@ -1,6 +1,6 @@
 """The arithmetic `bench balance` reports with: the oracle's whole-sample split and the cost
 of compute jitter in lockstep steps. (The bench itself needs namespace hosts and ~8 minutes:
-`python -m mlxdist.bench balance`; docs/performance.md "Load balancing" has its runs.)"""
+`python -m mlxdist.bench balance`; docs/measurements.md "Load balancing across unequal hosts" has its runs.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The logic `bench cluster` reports with and the commands it builds, without namespace hosts
-(the bench itself needs root and minutes: `python -m mlxdist.bench cluster`; docs/performance.md
+(the bench itself needs root and minutes: `python -m mlxdist.bench cluster`; docs/measurements.md
 "Side by side on two unequal hosts" has its runs)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`python -m mlxdist.bench compiled` at its smallest (2 ranks on this host, one round): your
 loop's step compiled with its sum in the graph against uncompiled, and `--trainer`'s three
-kinds of the trainer's step, each timed; docs/performance.md has the measured runs."""
+kinds of the trainer's step, each timed; docs/measurements.md has the measured runs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`python -m mlxdist.bench wire` at its smallest (the tiny LM, 2 ranks on this host, one round):
 the table's numbers are real, the int8 wire sends about a quarter of fp32's bytes, and its loss
-stays near fp32's. docs/performance.md has its runs at 1 Gbit."""
+stays near fp32's. docs/measurements.md has its runs at 1 Gbit."""
 
 from __future__ import annotations
 

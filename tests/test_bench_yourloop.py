@@ -1,7 +1,7 @@
 """`bench yourloop` end to end in its smallest shape: one round, the tiny model, beside one
 busy-loop process, a short wait probe. Its rows must exist and be consistent (the ratio is the
 two step times' ratio, both loops trained the same batches), not fast: the figures themselves
-live in docs/performance.md, measured by the full run."""
+live in docs/measurements.md, measured by the full run."""
 
 from __future__ import annotations
 

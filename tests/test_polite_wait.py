@@ -1,7 +1,7 @@
 """A rank waiting for a late peer gives its core back (issue 51): rank 1 sleeps ~1 s before
 each collective while rank 0 waits in it, and rank 0's process CPU time over the wait (every
 thread's) stays well under a second. Before, Open MPI's blocking calls busy-polled: ~0.9-1.0 s
-of CPU for each second waited (docs/performance.md, "Waiting that sleeps"). An outcome, not a
+of CPU for each second waited (docs/measurements.md, "Waiting ranks"). An outcome, not a
 speed: the bound is a tenth of what spinning burns, and the numbers the collectives give back
 are checked too, so a wait that returned early would fail."""
 

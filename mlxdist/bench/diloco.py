@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fragments", type=int, default=1, help="dist.fragments (streaming DiLoCo)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="dist.outer_lr")
     p.add_argument("--outer-momentum", type=float, default=0.5,
-                   help="0.5 for a run of a few rounds (0.9, the paper's, needs many; see docs/performance.md)")
+                   help="0.5 for a run of a few rounds (0.9, the paper's, needs many; see docs/tuning.md)")
     p.add_argument("--lr", type=float, default=1e-3, help="train.lr (inner AdamW)")
     p.add_argument("--solo-steps", type=int, default=12, help="steps of each host alone (the bound)")
     p.add_argument("--skip", type=int, default=3, help="warmup steps left out of the solo and DDP rates")

@@ -228,7 +228,7 @@ def default_mpi_library(mpirun: str | None = None) -> str:
 
 
 def resolve_backend(requested: str) -> str:
-    """What `dist.backend: auto` means (measurements in docs/performance.md, "Choosing a backend")."""
+    """What `dist.backend: auto` means (docs/tuning.md, "Choosing a backend per link"; its measurements in docs/measurements.md)."""
     return "mpi4py" if requested == "auto" else requested
 
 
