@@ -213,6 +213,9 @@ class DistConfig:
     # sent (0 = blocking), mixed with what was learnt meanwhile: alpha*local + (1-alpha)*anchor.
     overlap_steps: int = field(default=0, metadata=_range(0))
     overlap_alpha: float = field(default=0.5, metadata=_range(0.0, 1.0))
+    pipeline_cut: str = field(default="", metadata=_help(
+        "pipeline: how many of the model's stages (the built-in LM's embedding, each block, its head) each rank "
+        "runs, in rank order, e.g. 2,4; empty: cut by each rank's memory budget"))
 
 
 @_settings

@@ -31,6 +31,7 @@ STRATEGIES: dict[str, Any] = {
     "zero2": "mlxdist.sync.sharded:ShardedDataParallel",
     "zero3": "mlxdist.sync.fully_sharded:FullyShardedDataParallel",
     "diloco": "mlxdist.sync.diloco_strategy:DiLoCoStrategy",
+    "pipeline": "mlxdist.sync.pipeline:Pipeline",
 }
 # name -> a Codec class or factory (called with no argument, or with the parameter of `name:param`),
 # or "module:attr" for a built-in.

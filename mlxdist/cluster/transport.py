@@ -34,6 +34,16 @@ Waiting is polite (issue 51): every MPI collective here is nonblocking, waited f
 that yields the core), never inside Open MPI's busy-polling blocking calls. MLX's collectives
 wait inside MLX, spinning: `MlxTransport` first waits politely for every rank over mpi4py, so
 only the transfer spins there.
+
+Point to point (`send`, `recv`: a pipeline's activations forward, their gradients back): flat
+buffers between two ranks, matched by (source, tag). A send never blocks (the caller keeps the
+buffer until its `Sent.wait()`), so two neighbours sending to each other at once (1F1B's
+crossing activation and gradient) cannot deadlock. Under mpi4py they are Isend/Irecv waited for
+politely by `wait_all`, without the doorbell (it counts collectives, which every rank enters in
+one order; a message between two ranks is none of those): a waiting receiver sleeps on short
+timers. MLX's `mx.distributed.send`/`recv` exist (0.32) but run inside `mx.eval`, which returns
+only when the peer has taken the message: crossing sends there would deadlock, so the mlx-*
+transports send over their mpi4py side, as their `channel()` does.
 """
 
 from __future__ import annotations
@@ -135,6 +145,17 @@ class Transport:
         """Every rank's payload (uint8, the same size on every rank: the lossy codecs'
         exchange), in rank order; views of a buffer the next call may overwrite."""
         return [np.ascontiguousarray(payload, np.uint8).copy()]
+
+    # -- point to point -------------------------------------------------------------------
+    def send(self, buf: np.ndarray, to: int, tag: int = 0, what: str = "send") -> Sent:
+        """Start sending flat `buf` to rank `to` under `tag`; never blocks. `buf` must stay as
+        it is until the returned handle's `wait()` (or `wait_sent`) says it has left."""
+        raise RuntimeError(f"{what}: the {self.name} transport has one rank, no peer to send to")
+
+    def recv(self, buf: np.ndarray, source: int, tag: int = 0, what: str = "receive") -> None:
+        """Into flat `buf` (size and dtype as the sender's) the message `source` sent under
+        `tag`, waiting politely for it (named to the stall watchdog)."""
+        raise RuntimeError(f"{what}: the {self.name} transport has one rank, no peer to receive from")
 
     def barrier(self, what: str = "barrier") -> None:
         pass
@@ -332,6 +353,14 @@ class MpiTransport(Transport):
             wait_all([self.comm.Iallgather(buf, out)], self.bell)
         return list(out.reshape(self.size, buf.size))
 
+    def send(self, buf: np.ndarray, to: int, tag: int = 0, what: str = "send") -> Sent:
+        buf = np.ascontiguousarray(buf)  # kept by the handle until it has left
+        return Sent([self.comm.Isend(buf, dest=to, tag=tag)], buf, self.watch, what)
+
+    def recv(self, buf: np.ndarray, source: int, tag: int = 0, what: str = "receive") -> None:
+        with self.watch(what):
+            wait_all([self.comm.Irecv(buf, source=source, tag=tag)])  # no doorbell: not a collective
+
     def barrier(self, what: str = "barrier") -> None:
         with self.watch(what):
             arrive(self.comm, self.bell)
@@ -349,6 +378,31 @@ class MpiTransport(Transport):
         if self._owns and self.comm is not None:
             self.comm.Free()
             self.comm = None
+
+
+class Sent:
+    """A send in flight (`Transport.send`): `wait()` returns once its buffer has left, which
+    the buffer's owner must not change or drop before."""
+
+    def __init__(self, requests: list, buf: np.ndarray | None, watch, what: str):
+        self._requests, self._buf, self._watch, self._what = requests, buf, watch, what
+
+    def done(self) -> bool:
+        from mpi4py import MPI
+
+        return not self._requests or bool(MPI.Request.Testall(self._requests))
+
+    def wait(self) -> None:
+        if self._requests:
+            with self._watch(f"{self._what} (waiting for the peer to take it)"):
+                wait_all(self._requests)
+        self._requests, self._buf = [], None
+
+
+def wait_sent(sent: list[Sent]) -> None:
+    """Every send of `sent` to its end."""
+    for s in sent:
+        s.wait()
 
 
 def _buckets(sizes: list[int], bucket: int):
@@ -532,6 +586,13 @@ class MlxTransport(Transport):
     def all_gather_bytes(self, payload: np.ndarray) -> list[np.ndarray]:
         buf = np.ascontiguousarray(payload, np.uint8).reshape(-1)
         return self._gather_parts(buf, [buf.size] * self.size, "payload all-gather")
+
+    def send(self, buf: np.ndarray, to: int, tag: int = 0, what: str = "send") -> Sent:
+        """Over mpi4py: MLX's send returns only once the peer took it (module docstring)."""
+        return self.mpi.send(buf, to, tag, what)
+
+    def recv(self, buf: np.ndarray, source: int, tag: int = 0, what: str = "receive") -> None:
+        self.mpi.recv(buf, source, tag, what)
 
     def barrier(self, what: str = "barrier") -> None:
         import mlx.core as mx

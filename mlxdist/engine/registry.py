@@ -34,6 +34,7 @@ class EngineSpec:
     auto_shard: bool = True
     sync_batchnorm: bool = False  # train.sync_batchnorm can patch its models
     openblas: bool = False  # on Linux the process re-execs with OpenBLAS preloaded before the framework loads
+    pipeline: str = ""  # (engine, first, last) -> one pipeline stage's math (dist.mode=pipeline); empty: none yet
 
     def load(self, field: str) -> Callable[..., Any]:
         """The function a field names, imported now."""
@@ -50,7 +51,7 @@ ENGINES: dict[str, EngineSpec] = {
         adopt="mlxdist.models.build:adopt_mlx", seed="mlxdist.engine.mlx_engine:seed",
         on_cpu="mlxdist.engine.mlx_engine:on_cpu", reducer="mlxdist.sync.grad:GradSync.configured",
         arrays="mlxdist.sync.compressed:MlxArrays", model_files="mlxdist.engine.model_files:MLXModelFiles",
-        generator="mlx-lm", openblas=True),
+        generator="mlx-lm", openblas=True, pipeline="mlxdist.engine.mlx_pipeline:MlxStage"),
     "torch": EngineSpec(
         "torch", make="mlxdist.engine.torch_engine:make", build_lm="mlxdist.engine.torch_engine:build_lm",
         adopt="mlxdist.models.build:adopt_torch", seed="mlxdist.engine.torch_engine:seed",

@@ -1,0 +1,97 @@
+"""Where a pipeline cuts the layer stack: one contiguous run of stages per rank, in rank order.
+
+A step of a pipeline lasts about as long as its slowest stage times the micro-batches (plus the
+fill and drain), so the cut minimises the slowest rank's time, each rank's time being its run's
+cost divided by its speed, subject to each rank's memory: a run's bytes must fit the rank's
+budget. A half-speed Mac then gets about a third of the layers of an equal pair, and a MacBook
+with a small budget no more than it holds. Dynamic programming over contiguous cuts (ranks x
+stages^2: a few thousand steps for a 100-layer model on 8 Macs): exact, pure, no framework.
+
+Costs and bytes are per stage as the strategy counts them (`sync/pipeline.py`): the embedding
+and the head are stages of their own, counted on the rank that runs them; a weight two runs
+read (tied embeddings) is counted in both, since both hold it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..problems import ConfigError
+
+
+def cut_stages(costs: Sequence[float], sizes: Sequence[float], speeds: Sequence[float],
+               budgets: Sequence[float]) -> list[tuple[int, int]]:
+    """[a_r, b_r) of the stages for each rank r (contiguous, in order, none empty), minimising
+    max_r sum(costs[a_r:b_r]) / speeds[r] with sum(sizes[a_r:b_r]) <= budgets[r] (a budget of 0
+    or less: unknown, no limit). Ties go to the cut whose earlier ranks run fewer stages.
+    ConfigError (one line) when there are more ranks than stages or no cut fits."""
+    n, p = len(costs), len(speeds)
+    if len(sizes) != n or len(budgets) != p:
+        raise ValueError(f"cut_stages: {n} costs, {len(sizes)} sizes, {p} speeds, {len(budgets)} budgets")
+    if p > n:
+        raise ConfigError(f"dist.mode=pipeline on {p} ranks: the model has {n} stages, fewer than the ranks; "
+                          f"run it on at most {n} ranks")
+    if any(s <= 0 or not math.isfinite(s) for s in speeds):
+        raise ValueError(f"cut_stages: speeds must be positive and finite: {list(speeds)}")
+    cost = [0.0]
+    size = [0.0]
+    for c, s in zip(costs, sizes, strict=True):
+        cost.append(cost[-1] + float(c))
+        size.append(size[-1] + float(s))
+
+    def fits(r: int, i: int, j: int) -> bool:
+        return budgets[r] <= 0 or size[j] - size[i] <= budgets[r] * (1 + 1e-12)
+
+    inf = math.inf
+    # best[r][j]: the least slowest-time of ranks 0..r running stages [0, j); back[r][j]: where r starts.
+    best = [[inf] * (n + 1) for _ in range(p)]
+    back = [[-1] * (n + 1) for _ in range(p)]
+    for j in range(1, n - p + 2):
+        if fits(0, 0, j):
+            best[0][j] = (cost[j] - cost[0]) / speeds[0]
+            back[0][j] = 0
+    for r in range(1, p):
+        for j in range(r + 1, n - (p - 1 - r) + 1):
+            for i in range(r, j):
+                if best[r - 1][i] == inf or not fits(r, i, j):
+                    continue
+                t = max(best[r - 1][i], (cost[j] - cost[i]) / speeds[r])
+                if t < best[r][j] * (1 - 1e-12):  # strictly better: ties keep the earliest start
+                    best[r][j], back[r][j] = t, i
+    if best[p - 1][n] == inf:
+        need = size[n] - size[0]
+        have = sum(b for b in budgets if b > 0) if all(b > 0 for b in budgets) else inf
+        raise ConfigError(f"dist.mode=pipeline: no cut of the model's {n} stages ({need / 2**30:.3g} GiB in all) fits "
+                          f"the ranks' memory budgets ({', '.join(f'{b / 2**30:.3g}' for b in budgets)} GiB"
+                          f"{f', {have / 2**30:.3g} GiB together' if have < inf else ''}); raise memory_target, "
+                          "add a Mac, or set dist.pipeline_cut")
+    cuts, j = [], n
+    for r in range(p - 1, -1, -1):
+        i = back[r][j]
+        cuts.append((i, j))
+        j = i
+    return cuts[::-1]
+
+
+def stage_time(costs: Sequence[float], speeds: Sequence[float], cuts: Sequence[tuple[int, int]]) -> list[float]:
+    """Each rank's time for its run under `cuts` (cost / speed), in rank order."""
+    return [sum(costs[a:b]) / s for (a, b), s in zip(cuts, speeds, strict=True)]
+
+
+def parse_cut(text: str, stages: int, ranks: int) -> list[tuple[int, int]]:
+    """`dist.pipeline_cut` ("2,4": stages per rank) as [a_r, b_r) runs; one line when it is not a
+    cut of `stages` stages into `ranks` non-empty runs."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"dist.pipeline_cut={text}: give each rank's number of stages, comma-separated "
+                          "(e.g. 2,4)") from None
+    if len(counts) != ranks or any(c < 1 for c in counts) or sum(counts) != stages:
+        raise ConfigError(f"dist.pipeline_cut={text}: needs {ranks} positive counts (one per rank) adding up to "
+                          f"the model's {stages} stages")
+    cuts, a = [], 0
+    for c in counts:
+        cuts.append((a, a + c))
+        a += c
+    return cuts

@@ -1,0 +1,244 @@
+"""Pipeline parallelism (`dist.mode=pipeline`, MLX engine): the transport's point-to-point on
+real ranks; a pipeline of 2 and 3 ranks (several cuts, unequal micro-batch counts, as
+many micro-batches as stages) equals one process on the same micro-batches; its checkpoint is data
+parallel's (one process and `generate` load it; it resumes on another cut, another number of
+ranks, or one process, exactly); the cut by speed and memory; refusals in one line.
+
+The reference runs one process with micro-batches of one sample, and every pipeline run deals
+the same samples in micro-batches of one, so the sums are added in the same order: what differs
+is the global norm's sum (per rank, then over ranks) and a tied embedding's two gradient halves
+added after backward instead of inside it, both fp32 rounding (measured ~2-5e-7 after 4 AdamW
+steps; a different micro-batching alone moves these weights by ~6e-6, data parallel's too)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import FAST, ROOT, env, mpirun_path, run_train
+
+from mlxdist.config import ConfigError
+from mlxdist.control.pipeline_cut import cut_stages, parse_cut, stage_time
+from mlxdist.state import checkpoint as ckpt
+
+HERE = Path(__file__).parent
+LM = [*FAST, "train.batch_size=1", "train.global_batch=5", "train.grad_clip=0.5", "train.weight_decay=0.1",
+      "dist.sync_weights_every=0", "train.steps=4", "checkpoint.every=2"]
+TOL = 1e-6
+
+
+def _ok(r):
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _train(args, np_=0):
+    return run_train(args, np_=np_, cwd=HERE, timeout=240)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+def _saved(run: Path, step: int | None = None) -> ckpt.Loaded:
+    if step is None:
+        return ckpt.load_latest(run / "checkpoints")
+    return ckpt.load(run / "checkpoints" / f"step_{step:08d}")
+
+
+def _same_as(reference: Path, run: Path) -> tuple[float, float]:
+    """Max weight and optimizer-state differences of the two runs' last checkpoints."""
+    a, b = _saved(reference), _saved(run)
+    assert a.meta.run.step == b.meta.run.step and a.meta.optimizer_step == b.meta.optimizer_step
+    return _max_diff(a.weights, b.weights), _max_diff(a.optimizer, b.optimizer)
+
+
+# ---------------------------------------------------------------- the cut (pure)
+def test_cut_minimises_the_slowest_stage():
+    costs = [1.0] * 12
+    assert cut_stages(costs, [1.0] * 12, [1.0, 1.0], [0, 0]) == [(0, 6), (6, 12)]
+    assert cut_stages(costs, [1.0] * 12, [1.0, 1.0, 1.0], [0, 0, 0]) == [(0, 4), (4, 8), (8, 12)]
+    # A half-speed rank gets about a third of the layers: its 4 take as long as the other's 8.
+    cuts = cut_stages(costs, [1.0] * 12, [1.0, 0.5], [0, 0])
+    assert cuts == [(0, 8), (8, 12)]
+    assert stage_time(costs, [1.0, 0.5], cuts) == [8.0, 8.0]
+    # Unequal costs (a head four times a block) are balanced by time, not by count.
+    assert cut_stages([1, 1, 1, 1, 1, 4], [0] * 6, [1, 1], [0, 0]) == [(0, 4), (4, 6)]
+
+
+def test_cut_respects_each_ranks_memory():
+    costs, sizes = [1.0] * 10, [10.0] * 10
+    # Equal speeds would cut 5+5; rank 1 holds only 30 bytes: 3 stages.
+    assert cut_stages(costs, sizes, [1.0, 1.0], [1000, 30]) == [(0, 7), (7, 10)]
+    # The fast rank is small: the slow one must take more than its speed would give it.
+    cuts = cut_stages(costs, sizes, [1.0, 0.25], [40, 1000])
+    assert cuts == [(0, 4), (4, 10)] and all(sum(sizes[a:b]) <= m for (a, b), m in zip(cuts, [40, 1000], strict=True))
+    with pytest.raises(ConfigError, match=r"^dist.mode=pipeline: no cut of the model's 10 stages .* fits the ranks' "
+                                          r"memory budgets .*set dist.pipeline_cut$"):
+        cut_stages(costs, sizes, [1.0, 1.0], [40, 40])
+    with pytest.raises(ConfigError, match=r"on 3 ranks: the model has 2 stages, fewer than the ranks; run it on "
+                                          r"at most 2 ranks"):
+        cut_stages([1, 1], [1, 1], [1, 1, 1], [0, 0, 0])
+
+
+def test_an_explicit_cut_is_checked():
+    assert parse_cut("2,4", 6, 2) == [(0, 2), (2, 6)]
+    for bad in ("2,3", "6,0", "1,2,3", "a,b"):
+        with pytest.raises(ConfigError, match=r"^dist.pipeline_cut="):
+            parse_cut(bad, 6, 2)
+
+
+# ---------------------------------------------------------------- point to point on real ranks
+P2P = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from mlxdist.cluster.transport import make_transport, wait_sent
+    from mlxdist.cluster.world import init_world
+
+    backend = sys.argv[1]
+    world = init_world(backend)
+    t = make_transport(world, backend)
+    r, n = t.rank, t.size
+    # Every rank sends to both neighbours before receiving anything (1F1B's crossing sends):
+    # nonblocking sends cannot deadlock.
+    sent = []
+    for step, to in ((1, (r + 1) % n), (-1, (r - 1) % n)):
+        buf = np.arange(1000, dtype=np.float32) + 1000 * r + step
+        sent.append(t.send(buf, to, tag=5 + step, what="test send"))
+    half = np.array([r, r + 1], np.uint16)  # bfloat16 bits travel as they are
+    sent.append(t.send(half, (r + 1) % n, tag=9))
+    for step, frm in ((1, (r - 1) % n), (-1, (r + 1) % n)):
+        got = np.empty(1000, np.float32)
+        t.recv(got, frm, tag=5 + step, what="test receive")
+        assert np.array_equal(got, np.arange(1000, dtype=np.float32) + 1000 * frm + step), (r, frm)
+    got = np.empty(2, np.uint16)
+    t.recv(got, (r - 1) % n, tag=9)
+    assert list(got) == [(r - 1) % n, (r - 1) % n + 1]
+    wait_sent(sent)
+    t.barrier()
+    print(f"P2P OK {backend} {n} {type(t).__name__}", flush=True)
+""")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("backend, n", [("mpi4py", 2), ("mpi4py", 3), ("mlx-mpi", 2)])
+def test_send_and_receive_on_real_ranks(tmp_path: Path, backend: str, n: int) -> None:
+    prog = tmp_path / "p2p.py"
+    prog.write_text(P2P)
+    cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", str(n), "-x", "PYTHONPATH",
+           "-x", "OPENBLAS_NUM_THREADS", sys.executable, str(prog), backend]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env(), cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert res.stdout.count(f"P2P OK {backend} {n}") == n, res.stdout
+
+
+def test_one_rank_has_no_peer():
+    from mlxdist.cluster.transport import Transport
+
+    with pytest.raises(RuntimeError, match="one rank, no peer"):
+        Transport().send(np.zeros(1, np.float32), 1)
+
+
+# ---------------------------------------------------------------- training on real ranks
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """One process, 5 samples a step in micro-batches of one; checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("pipeline") / "one"
+    _ok(_train([*LM, f"train.out_dir={out}"]))
+    return out
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("n, cut", [(2, ""), (3, "1,3,2"), (3, "3,2,1")])
+def test_pipeline_equals_one_process(tmp_path, one_process, n, cut):
+    """5 micro-batches a step (3+2 on two ranks, 2+2+1 on three: unequal counts), the cut by
+    memory budget or given; clipping active (the norm is several times train.grad_clip)."""
+    args = [*LM, "dist.mode=pipeline", f"train.out_dir={tmp_path}"] + ([f"dist.pipeline_cut={cut}"] if cut else [])
+    r = _ok(_train(args, np_=n))
+    assert "pipeline parallelism: 6 model stages cut" in r.stderr, r.stderr[-2000:]
+    weights, moments = _same_as(one_process, tmp_path)
+    print(f"pipeline n={n} cut={cut or 'plan'}: max weight diff {weights:.3g}, moments {moments:.3g}")
+    assert weights <= TOL and moments <= TOL, (weights, moments)
+
+
+@pytest.mark.cluster
+def test_as_many_micro_batches_as_stages(tmp_path):
+    """3 micro-batches on 3 stages (the fewest the loop deals: every rank gets a sample): the
+    first rank's warm-up takes all but one, the result the same."""
+    args = [*FAST, "train.batch_size=1", "train.global_batch=3", "train.grad_clip=0.5", "train.steps=3",
+            "dist.sync_weights_every=0"]
+    _ok(_train([*args, f"train.out_dir={tmp_path / 'one'}"]))
+    _ok(_train([*args, "dist.mode=pipeline", f"train.out_dir={tmp_path / 'pp'}"], np_=3))
+    weights, moments = _same_as(tmp_path / "one", tmp_path / "pp")
+    assert weights <= TOL and moments <= TOL, (weights, moments)
+
+
+@pytest.mark.cluster
+def test_checkpoints_are_whole_and_resume_anywhere(tmp_path, one_process):
+    """The pipeline's step-2 checkpoint holds every stage's weights and moments (data parallel's
+    format, equal to one process's); it resumes on one process and on a 3-rank pipeline of
+    another cut, and one process's resumes on a pipeline: all reach the uninterrupted step 4.
+    `generate` loads the pipeline's checkpoint."""
+    pp = tmp_path / "pp"
+    _ok(_train([*LM, "dist.mode=pipeline", f"train.out_dir={pp}"], np_=2))
+    mine, theirs = _saved(pp, 2), _saved(one_process, 2)
+    assert mine.optimizer.keys() == theirs.optimizer.keys()
+    assert _max_diff(mine.weights, theirs.weights) <= TOL and _max_diff(mine.optimizer, theirs.optimizer) <= TOL
+    resumes = {"one": ([], 0, pp), "three": (["dist.mode=pipeline", "dist.pipeline_cut=2,2,2"], 3, pp),
+               "from-one": (["dist.mode=pipeline"], 2, one_process)}
+    for name, (extra, n, source) in resumes.items():
+        out = tmp_path / name
+        r = _ok(_train([*LM, *extra, f"train.out_dir={out}", "--resume",
+                        str(source / "checkpoints" / "step_00000002")], np_=n))
+        assert "resumed from" in r.stderr
+        weights, moments = _same_as(one_process, out)
+        print(f"resume {name}: max weight diff {weights:.3g}, moments {moments:.3g}")
+        assert weights <= TOL and moments <= TOL, (name, weights, moments)
+    g = subprocess.run([sys.executable, "-m", "mlxdist.generate", "--checkpoint", str(pp), "--prompt", "ab",
+                        "--max-tokens", "5", "--seed", "1"], capture_output=True, text=True, timeout=120, env=env(),
+                       cwd=HERE)
+    assert g.returncode == 0, g.stderr[-2000:]
+
+
+@pytest.mark.cluster
+def test_a_tasks_staged_model_trains_in_a_pipeline(tmp_path):
+    """A user's MLX model with stages() (three Linear stages, float input: the first stage's
+    input gradient is computed and dropped) equals one process."""
+    args = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "train.warmup_steps=0",
+            "train.schedule=constant", "train.lr=1e-2", "task.factory=user_tasks:mlx_staged_mlp",
+            "train.batch_size=1", "train.global_batch=4", "train.grad_clip=0.5", "train.steps=3",
+            "dist.sync_weights_every=0"]
+    _ok(_train([*args, f"train.out_dir={tmp_path / 'one'}"]))
+    _ok(_train([*args, "dist.mode=pipeline", "dist.pipeline_cut=1,2", f"train.out_dir={tmp_path / 'pp'}"], np_=2))
+    weights, moments = _same_as(tmp_path / "one", tmp_path / "pp")
+    assert weights <= TOL and moments <= TOL, (weights, moments)
+
+
+# ---------------------------------------------------------------- refusals, one line each
+TASK = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "train.steps=1"]
+REFUSALS = [
+    ([*FAST, "--engine", "torch", "--device", "cpu"], 1,
+     "dist.mode=pipeline runs on the MLX engine only for now (the torch engine has no pipeline stages yet): use "
+     "--engine mlx"),
+    ([*TASK, "task.factory=user_tasks:mlx_mlp"], 1, "dist.mode=pipeline cuts the model's stages, but Sequential has "
+                                                    "no stages()"),
+    ([*FAST, "dist.shard=weights"], 1, "dist.shard=weights shards data parallel's optimizer; dist.mode=pipeline keeps "
+                                       "each rank's own optimizer: set dist.shard=none"),
+    ([*FAST, "dist.pipeline_cut=2,2"], 1, "dist.pipeline_cut=2,2: needs 1 positive counts (one per rank) adding up to "
+                                          "the model's 6 stages"),
+    ([*TASK, "task.factory=user_tasks:mlx_staged_mlp"], 4, "dist.mode=pipeline on 4 ranks: the model has 3 stages "
+                                                           "(model.stages()), fewer than the ranks"),
+]
+
+
+@pytest.mark.parametrize("args, n, line", REFUSALS, ids=["torch", "no-stages", "shard", "cut", "too-many-ranks"])
+def test_refusals_name_the_key_and_what_to_do(tmp_path, args, n, line):
+    r = _train([*args, "train.steps=1", "dist.mode=pipeline", f"train.out_dir={tmp_path}"], np_=n if n > 1 else 0)
+    assert r.returncode != 0
+    assert line in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
