@@ -12,6 +12,7 @@ steps; a different micro-batching alone moves these weights by ~6e-6, data paral
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,7 @@ from mlxdist.state import checkpoint as ckpt
 
 HERE = Path(__file__).parent
 LM = [*FAST, "train.batch_size=1", "train.global_batch=5", "train.grad_clip=0.5", "train.weight_decay=0.1",
-      "dist.sync_weights_every=0", "train.steps=4", "checkpoint.every=2"]
+      "dist.sync_weights_every=0", "train.steps=4", "checkpoint.every=2", "train.eval_every=2"]
 TOL = 1e-6
 
 
@@ -49,6 +50,11 @@ def _saved(run: Path, step: int | None = None) -> ckpt.Loaded:
     if step is None:
         return ckpt.load_latest(run / "checkpoints")
     return ckpt.load(run / "checkpoints" / f"step_{step:08d}")
+
+
+def _events(run: Path, kind: str, rank: int = 0) -> list[dict]:
+    lines = (run / "logs" / f"rank{rank}.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
 def _same_as(reference: Path, run: Path) -> tuple[float, float]:
@@ -162,8 +168,13 @@ def test_pipeline_equals_one_process(tmp_path, one_process, n, cut):
     r = _ok(_train(args, np_=n))
     assert "pipeline parallelism: 6 model stages cut" in r.stderr, r.stderr[-2000:]
     weights, moments = _same_as(one_process, tmp_path)
-    print(f"pipeline n={n} cut={cut or 'plan'}: max weight diff {weights:.3g}, moments {moments:.3g}")
+    evals = [(e["step"], e["eval_loss"]) for e in _events(tmp_path, "eval")]
+    expected = [(e["step"], e["eval_loss"]) for e in _events(one_process, "eval")]
+    print(f"pipeline n={n} cut={cut or 'plan'}: max weight diff {weights:.3g}, moments {moments:.3g}; eval {evals} "
+          f"(one process {expected})")
     assert weights <= TOL and moments <= TOL, (weights, moments)
+    assert [s for s, _ in evals] == [s for s, _ in expected] == [2, 4]
+    assert np.allclose([v for _, v in evals], [v for _, v in expected], rtol=1e-6, atol=0), (evals, expected)
 
 
 @pytest.mark.cluster
@@ -215,6 +226,24 @@ def test_a_tasks_staged_model_trains_in_a_pipeline(tmp_path):
             "dist.sync_weights_every=0"]
     _ok(_train([*args, f"train.out_dir={tmp_path / 'one'}"]))
     _ok(_train([*args, "dist.mode=pipeline", "dist.pipeline_cut=1,2", f"train.out_dir={tmp_path / 'pp'}"], np_=2))
+    weights, moments = _same_as(tmp_path / "one", tmp_path / "pp")
+    assert weights <= TOL and moments <= TOL, (weights, moments)
+
+
+@pytest.mark.cluster
+def test_a_non_finite_step_is_skipped_on_every_rank(tmp_path):
+    """A sample with NaN features: its step's loss is non-finite on the last rank only, and
+    every rank skips that update together (the same steps as one process skips; the weights
+    after it equal one process's)."""
+    args = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "train.warmup_steps=0",
+            "train.schedule=constant", "train.lr=1e-2", "task.factory=pipeline_tasks:staged_poisoned",
+            "train.batch_size=1", "train.global_batch=4", "train.steps=3", "dist.sync_weights_every=0"]
+    _ok(_train([*args, f"train.out_dir={tmp_path / 'one'}"]))
+    _ok(_train([*args, "dist.mode=pipeline", f"train.out_dir={tmp_path / 'pp'}"], np_=3))
+    skipped = [s["step"] for s in _events(tmp_path / "one", "skipped")]
+    assert skipped, "the poisoned sample was never drawn"
+    for rank in range(3):
+        assert [s["step"] for s in _events(tmp_path / "pp", "skipped", rank)] == skipped, rank
     weights, moments = _same_as(tmp_path / "one", tmp_path / "pp")
     assert weights <= TOL and moments <= TOL, (weights, moments)
 
