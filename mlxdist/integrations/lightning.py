@@ -279,6 +279,15 @@ def _build(package: str) -> type:  # noqa: C901 - one class, built for the Light
             # wanted is the sum over units, so each micro-batch is weighed by its own count.
             trainer = module.trainer
             count = self._units()
+            if (self.world_size == 1 and trainer.accumulate_grad_batches == 1 and self.reduction == "mean"
+                    and count > 0):
+                # One rank, one micro-batch a step: the loss is the step's mean already. Weighed
+                # by its units and divided back, the gradient would be the same number rounded
+                # twice more (x20 then /20 is not exact in fp32); plain Lightning's own ops keep
+                # a run on one process bit for bit plain Lightning's, whatever the CPU's kernels.
+                out = super().backward(closure_loss, optimizer, *args, **kwargs)
+                dist.add_count(1)  # a weight of 1: the division after the sum is by 1, exact
+                return out
             scale = trainer.accumulate_grad_batches * (count if self.reduction == "mean" else 1)
             last = not trainer.fit_loop._should_accumulate()
             if last:  # send buckets while this backward runs
