@@ -174,6 +174,9 @@ class NodeConfig:
 
     batch_size: int = field(default=16, metadata=_range(1, 1 << 24))
     memory_target: float | None = field(default=None, metadata=_range(0.05, 1.0))
+    speed: float = field(default=1.0, metadata=_range(0.01, 100.0, help=(
+        "this host's compute speed relative to the others (1 = all alike): dist.mode=pipeline gives a faster host "
+        "more of the layer stack")))
 
 
 @_settings
@@ -215,7 +218,7 @@ class DistConfig:
     overlap_alpha: float = field(default=0.5, metadata=_range(0.0, 1.0))
     pipeline_cut: str = field(default="", metadata=_help(
         "pipeline: how many of the model's stages (the built-in LM's embedding, each block, its head) each rank "
-        "runs, in rank order, e.g. 2,4; empty: cut by each rank's memory budget"))
+        "runs, in rank order, e.g. 2,4; empty: cut by each rank's memory budget and nodes: speed"))
 
 
 @_settings

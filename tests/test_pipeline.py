@@ -99,6 +99,21 @@ def test_an_explicit_cut_is_checked():
             parse_cut(bad, 6, 2)
 
 
+def test_plan_shows_the_cut(capsys):
+    """`python -m mlxdist.plan` prints the pipeline's cut beside the shard modes: the 1b preset
+    (22 blocks: 24 stages) on a Studio and a MacBook; with the MacBook at half speed the Studio
+    takes about two thirds of the stack."""
+    from mlxdist.commands.plan import main
+
+    assert main(["--hosts", "studio=128GB,macbook=16GB", "model.preset=1b"]) == 0
+    out = capsys.readouterr().out
+    assert ("pipeline (dist.mode=pipeline, 24 stages: embedding, blocks, head): rank 0 (studio) stages 0-11: 7.7 of "
+            "108.8 GiB; rank 1 (macbook) stages 12-23: 7.7 of 13.6 GiB") in out, out
+    assert main(["--hosts", "studio=128GB,macbook=16GB", "model.preset=1b", "nodes={macbook: {speed: 0.5}}"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 (studio) stages 0-15" in out and "rank 1 (macbook) stages 16-23" in out, out
+
+
 # ---------------------------------------------------------------- point to point on real ranks
 P2P = textwrap.dedent("""
     import sys
@@ -214,6 +229,15 @@ def test_checkpoints_are_whole_and_resume_anywhere(tmp_path, one_process):
                         "--max-tokens", "5", "--seed", "1"], capture_output=True, text=True, timeout=120, env=env(),
                        cwd=HERE)
     assert g.returncode == 0, g.stderr[-2000:]
+
+
+@pytest.mark.cluster
+def test_a_half_speed_rank_gets_a_third_of_the_stack(tmp_path):
+    """`nodes:` speed reaches the cut: 10 blocks, rank 1 at half speed runs 4 of the 12 stages."""
+    r = _ok(_train([*FAST, "model.n_layers=10", "train.steps=1", "dist.mode=pipeline", f"train.out_dir={tmp_path}",
+                    "nodes={rank0: {batch_size: 1}, rank1: {batch_size: 1, speed: 0.5}}"], np_=2))
+    assert ("12 model stages cut by memory budget and speed (1, 0.5): rank 0 8 stages (0-7), rank 1 4 stages "
+            "(8-11)") in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.cluster

@@ -1,6 +1,7 @@
 """`python -m mlxdist.plan --config C [--hosts studio=128GB,macbook=16GB | --hostfile H] [k=v ...]`:
 the bytes each rank would hold under every `dist.shard` mode, against each host's budget, and
-the mode `dist.shard=auto` would choose, without training.
+the mode `dist.shard=auto` would choose, without training; for the built-in LM on 2+ ranks also
+the cut `dist.mode=pipeline` would make (`control/pipeline_cut.py`: each rank's stages and bytes).
 
 Hosts, one rank each and in rank order: `--hosts NAME=SIZE,...`; else the hostfile's hosts
 (`slots=N`: N ranks sharing that host's memory), sized by `--memory` (`SIZE` for every host, or
@@ -25,7 +26,9 @@ from collections.abc import Sequence
 
 from ..config import Config, ConfigError, load_config
 from ..control.memory_plan import GIB, lm_facts, plan
+from ..control.pipeline_cut import cut_lines, lm_stage_elements
 from ..engine.registry import ENGINES, engine_spec
+from ..optim import make_optimizer
 from ..sync.strategy import memory_lines, mode_strategy
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
@@ -172,6 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"mlxdist.plan: {what}; {len(hosts)} rank(s) from {source}; dist.shard={cfg.dist.shard}")
     for line in result.table_lines(choice=False):
         print(line)
+    elements = lm_stage_elements(cfg)
+    if elements is not None and len(hosts) > 1:
+        for line in cut_lines(elements, make_optimizer(cfg.train.optimizer, cfg.train).state_bytes,
+                              [h for h, _ in hosts], [r.budget for r in result.ranks],
+                              [cfg.node_for(h, i).speed for i, (h, _) in enumerate(hosts)]):
+            print(line)
     if result.choice is None:
         print(f"error: {result.no_fit_line()}", file=sys.stderr)
         return 2

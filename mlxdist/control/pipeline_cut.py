@@ -74,6 +74,51 @@ def cut_stages(costs: Sequence[float], sizes: Sequence[float], speeds: Sequence[
     return cuts[::-1]
 
 
+def stage_loads(elements: Sequence[int], state_bytes: int) -> tuple[list[float], list[float]]:
+    """Each stage's cost and bytes from its parameters' elements: the cost is the elements (a
+    matmul's multiply-adds per row; an estimate, which counts an embedding's lookup as a matmul),
+    the bytes fp32 weights and gradients and the optimizer's state (`state_bytes` per element).
+    Activations are not counted yet (a stage in flight keeps one boundary activation per
+    micro-batch waiting for its backward)."""
+    return [float(e) for e in elements], [float((8 + state_bytes) * e) for e in elements]
+
+
+def lm_stage_elements(cfg) -> list[int] | None:
+    """The built-in LM's stages' parameter elements as its `stages()` cuts it (the embedding,
+    each block, the head: the final norm and the output matrix, which is the embedding again
+    when tied: the last rank holds a copy), from `model.preset` and its overrides alone; None
+    for a task or a pretrained `model.path` (their stages are known once built)."""
+    if cfg.task.factory or cfg.model.path:
+        return None
+    from ..models.presets import resolve
+
+    a = resolve(cfg.model)
+    hd = a.head_dim
+    block = a.dim * a.n_heads * hd * 2 + a.dim * a.n_kv_heads * hd * 2 + 3 * a.dim * a.ffn_dim + 2 * a.dim
+    return [a.vocab_size * a.dim, *[block] * a.n_layers, a.dim + a.vocab_size * a.dim]
+
+
+def cut_lines(elements: Sequence[int], state_bytes: int, hosts: Sequence[str], budgets: Sequence[float],
+              speeds: Sequence[float] | None = None) -> list[str]:
+    """What `python -m mlxdist.plan` says of a pipeline on these ranks: each rank's stages and
+    bytes against its budget and its share of the step's compute, or the one line of why no cut
+    fits."""
+    speeds = list(speeds or [1.0] * len(hosts))
+    costs, nbytes = stage_loads(elements, state_bytes)
+    try:
+        cuts = cut_stages(costs, nbytes, speeds, budgets)
+    except ConfigError as e:
+        return [f"pipeline (dist.mode=pipeline): {e}"]
+    unit, div = ("GiB", 2**30) if max(budgets, default=0) >= 2**30 else ("MiB", 2**20)
+    times = stage_time(costs, speeds, cuts)
+    whole = sum(costs) / max(speeds)
+    parts = [f"rank {r} ({h}) stages {a}-{b - 1}: {sum(nbytes[a:b]) / div:.1f} of {budgets[r] / div:.1f} {unit}"
+             for r, ((a, b), h) in enumerate(zip(cuts, hosts, strict=True))]
+    return [f"pipeline (dist.mode=pipeline, {len(elements)} stages: embedding, blocks, head): " + "; ".join(parts),
+            f"  slowest stage {max(times) / whole:.0%} of one process's compute a micro-batch (weights, gradients "
+            "and optimizer state counted; activations not yet)"]
+
+
 def stage_time(costs: Sequence[float], speeds: Sequence[float], cuts: Sequence[tuple[int, int]]) -> list[float]:
     """Each rank's time for its run under `cuts` (cost / speed), in rank order."""
     return [sum(costs[a:b]) / s for (a, b), s in zip(cuts, speeds, strict=True)]

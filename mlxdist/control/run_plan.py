@@ -33,6 +33,7 @@ class RunPlan:
     wire_dtype: str  # data parallel's and the shards' gradient wire (dist.wire_dtype)
     outer_wire: str  # DiLoCo's pseudo-gradient wire (dist.outer_wire)
     notes: tuple[str, ...] = ()  # what the start-up banner says of the shard choice and the memory plan
+    speeds: tuple[float, ...] = ()  # each rank's relative compute speed (`nodes:` speed; a pipeline's cut reads it)
 
     @property
     def micro_batch(self) -> int:
@@ -59,7 +60,8 @@ def build_run_plan(cfg: Config, rank: int, nodes: list[NodeConfig], hosts: list[
     (`sync/shard_plan.resolve_shard`), `n_trained` elements split by `split.shard_bounds`."""
     plan = RunPlan(rank, tuple(hosts), tuple(n.batch_size for n in nodes),
                    tuple(float(n.memory_target) for n in nodes), tuple(int(m) for m in memory_limits), shard, (),
-                   vocab_size, cfg.dist.wire_dtype, cfg.dist.outer_wire, tuple(notes))
+                   vocab_size, cfg.dist.wire_dtype, cfg.dist.outer_wire, tuple(notes),
+                   tuple(float(n.speed) for n in nodes))
     if shard not in SHARDED:
         return plan
     bounds = shard_bounds(n_trained, plan.budgets, cfg.dist.shard_split)

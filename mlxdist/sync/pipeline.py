@@ -8,7 +8,8 @@ model no single Mac holds trains over a slow link.
 
 What a rank holds: its run's weights (fp32), their gradients and the optimizer's state for the
 weights it owns; the engine built the whole model once at start, then lets go of it (as ZeRO-3).
-The cut (`dist.pipeline_cut`, else `control/pipeline_cut.py`'s by memory budget) counts the
+The cut (`dist.pipeline_cut`, else `control/pipeline_cut.py`'s by memory budget and `nodes:`
+speed) counts the
 model's stages (`model.stages()`: the built-in LM's embedding, each block, its head). A weight
 two runs read (tied embeddings: the embedding and the head) is owned by the first rank that
 reads it; the other holds a copy, sends its gradient to the owner before the update and gets
@@ -35,7 +36,7 @@ The engine side (one run's forward, its backward for a given output cotangent) i
 (`EngineSpec.pipeline`: `engine/mlx_pipeline.py`); this module knows no layers and no framework.
 Not yet: the torch engine, LoRA (a frozen base), models with buffers, a task's own optimizer,
 overlapping a send with the next micro-batch's compute beyond what nonblocking sends give,
-a cut by measured speed (the plan has budgets, not speeds: equal speeds are assumed).
+a cut by measured speed (the plan takes `nodes:` speed as given; all alike by default).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import numpy as np
 from ..cluster.transport import Sent, Transport, wait_sent
 from ..cluster.world import World
 from ..config import Config, ConfigError
-from ..control.pipeline_cut import cut_stages, parse_cut
+from ..control.pipeline_cut import cut_stages, parse_cut, stage_loads
 from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
@@ -76,21 +77,19 @@ def stage_names_of(engine: Engine) -> list[list[str]] | None:
 
 def stage_cost_bytes(names: list[list[str]], sizes: dict[str, int], state_bytes: int) -> tuple[list[float],
                                                                                               list[float]]:
-    """Each stage's cost (its parameters' elements: a matmul's multiply-adds per row, the
-    estimate a cut by memory budget uses) and bytes (weights, gradients and the optimizer's state
-    of its parameters, fp32)."""
-    costs = [float(sum(sizes[n] for n in stage)) for stage in names]
-    return costs, [(8 + state_bytes) * c for c in costs]
+    """Each stage's cost and bytes (`control.pipeline_cut.stage_loads`) from its parameters' elements."""
+    return stage_loads([sum(sizes[n] for n in stage) for stage in names], state_bytes)
 
 
 def plan_cut(cfg: Config, names: list[list[str]], sizes: dict[str, int], state_bytes: int,
-             budgets: list[float]) -> list[tuple[int, int]]:
-    """The run's cut: `dist.pipeline_cut` as given, else the cut by each rank's memory budget
-    (equal speeds: the plan measures none yet)."""
+             plan: RunPlan) -> list[tuple[int, int]]:
+    """The run's cut: `dist.pipeline_cut` as given, else the slowest stage least for each
+    rank's speed (`nodes:` speed, as the run plan carries it; measured speeds not yet) with each
+    rank's bytes within its memory budget (`control/pipeline_cut.py`)."""
     if cfg.dist.pipeline_cut:
-        return parse_cut(cfg.dist.pipeline_cut, len(names), len(budgets))
+        return parse_cut(cfg.dist.pipeline_cut, len(names), len(plan.hosts))
     costs, nbytes = stage_cost_bytes(names, sizes, state_bytes)
-    return cut_stages(costs, nbytes, [1.0] * len(budgets), budgets)
+    return cut_stages(costs, nbytes, list(plan.speeds) or [1.0] * len(plan.hosts), plan.budgets)
 
 
 class Pipeline(Strategy):
@@ -138,7 +137,7 @@ class Pipeline(Strategy):
         ops = engine.shard_ops()
         sizes = {n: math.prod(s) for n, s in zip(ops.names, ops.shapes, strict=True)}
         try:
-            plan_cut(cfg, names, sizes, ops.optimizer.state_bytes, plan.budgets)
+            plan_cut(cfg, names, sizes, ops.optimizer.state_bytes, plan)
         except ConfigError as e:
             raise world.agreed_error(str(e)) from None
 
@@ -153,7 +152,7 @@ class Pipeline(Strategy):
         self.index = {n: i for i, n in enumerate(self.ops.names)}
         sizes = {n: math.prod(s) for n, s in self.shapes.items()}
         stages = stage_names_of(engine)
-        self.cuts = plan_cut(cfg, stages, sizes, self.optimizer.state_bytes, plan.budgets)
+        self.cuts = plan_cut(cfg, stages, sizes, self.optimizer.state_bytes, plan)
         a, b = self.cuts[self.rank]
         self.stage = ENGINES[engine.name].load("pipeline")(engine, a, b)
         self.stage_titles = [f"{b - a} stage{'s' if b - a > 1 else ''} ({a}-{b - 1})" for a, b in self.cuts]
@@ -189,7 +188,8 @@ class Pipeline(Strategy):
         self._bytes = 0
 
     def describe(self) -> str | None:
-        how = "dist.pipeline_cut" if self.cfg.dist.pipeline_cut else "by memory budget"
+        speeds = "" if len(set(self.plan.speeds)) <= 1 else f" and speed ({', '.join(f'{v:g}' for v in self.plan.speeds)})"
+        how = "by dist.pipeline_cut" if self.cfg.dist.pipeline_cut else f"by memory budget{speeds}"
         cut = ", ".join(f"rank {r} {t}" for r, t in enumerate(self.stage_titles))
         shared = f"; {', '.join(self.shared)} shared by the runs that read it" if self.shared else ""
         return (f"pipeline parallelism: {self.cuts[-1][1]} model stages cut "
