@@ -300,7 +300,7 @@ class Pipeline(Strategy):
         if count <= 0 or grads is None:  # alike on every rank: every rank gathered every micro-batch
             return nothing_to_learn(self.world.allreduce_sum([loss_sum])[0])
         named = dict(zip(self.stage.names, grads, strict=True))
-        self._share_gradients(named)
+        sent += self._share_gradients(named)
         last = self.size - 1
         flat_metrics = self.world.bcast((metrics.names(), metrics.flat(count)) if self.rank == last else None, last)
         g = self.ops.array(self._flat_owned({n: self.ops.numpy(named[n]) for n in self.mine}, self.mine)) * (1.0 / count)
@@ -323,34 +323,42 @@ class Pipeline(Strategy):
             self.weights[n] = self.ops.array(flat[at:at + self.sizes[n]].reshape(self.shapes[n]).copy())
             at += self.sizes[n]
         self.t = t
-        self._share_weights()
+        sent += self._share_weights()
         stats.sync_seconds, stats.sync_bytes = time.perf_counter() - t0, sent
         return stats
 
-    def _share_gradients(self, named: dict) -> None:
-        """A shared weight's copies send their gradients to its owner, which adds them."""
+    def _share_gradients(self, named: dict) -> int:
+        """A shared weight's copies send their gradients to its owner, which adds them; returns
+        the bytes this rank sent."""
+        sent = 0
         for n in self.shared:
             owner, readers = self.owner[n], self.readers[n]
             if self.rank in readers[1:]:
                 wait_sent([self.transport.send(self.ops.numpy(named[n]).reshape(-1), owner, GRAD_TAG,
                                                f"gradient of {n} to its owner, rank {owner}")])
+                sent += 4 * self.sizes[n]
             elif self.rank == owner:
                 for q in readers[1:]:
                     buf = np.empty(self.sizes[n], np.float32)
                     self.transport.recv(buf, q, GRAD_TAG, f"gradient of {n} from rank {q}")
                     named[n] = named[n] + self.ops.array(buf.reshape(self.shapes[n]))
+        return sent
 
-    def _share_weights(self) -> None:
-        """A shared weight's owner sends the updated weight to the ranks holding copies."""
+    def _share_weights(self) -> int:
+        """A shared weight's owner sends the updated weight to the ranks holding copies; returns
+        the bytes this rank sent."""
+        sent = 0
         for n in self.shared:
             owner, readers = self.owner[n], self.readers[n]
             if self.rank == owner:
                 flat = self.ops.numpy(self.weights[n]).reshape(-1)
                 wait_sent([self.transport.send(flat, q, WEIGHT_TAG, f"{n} to rank {q}") for q in readers[1:]])
+                sent += 4 * self.sizes[n] * len(readers[1:])
             elif self.rank in readers:
                 buf = np.empty(self.sizes[n], np.float32)
                 self.transport.recv(buf, owner, WEIGHT_TAG, f"{n} from its owner, rank {owner}")
                 self.weights[n] = self.ops.array(buf.reshape(self.shapes[n]))
+        return sent
 
     # -- evaluation ----------------------------------------------------------------------
     def eval_losses(self, engine: Engine, batches: list[Batch], metrics: MetricSums) -> list[tuple[float, int]]:
