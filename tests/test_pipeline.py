@@ -12,15 +12,21 @@ steps; a different micro-batching alone moves these weights by ~6e-6, data paral
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST, ROOT, env, mpirun_path, run_train
+from helpers import FAST, ROOT, env, logged_steps, mpirun_path, run_train, train_command
 
 from mlxdist.config import ConfigError
 from mlxdist.control.pipeline_cut import cut_stages, parse_cut, stage_time
@@ -175,17 +181,20 @@ def one_process(tmp_path_factory) -> Path:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("n, cut", [(2, ""), (3, "1,3,2"), (3, "3,2,1")])
-def test_pipeline_equals_one_process(tmp_path, one_process, n, cut):
+@pytest.mark.parametrize("n, cut, backend", [(2, "", "auto"), (3, "1,3,2", "auto"), (3, "3,2,1", "auto"),
+                                            (2, "4,2", "mlx-ring")])
+def test_pipeline_equals_one_process(tmp_path, one_process, n, cut, backend):
     """5 micro-batches a step (3+2 on two ranks, 2+2+1 on three: unequal counts), the cut by
-    memory budget or given; clipping active (the norm is several times train.grad_clip)."""
-    args = [*LM, "dist.mode=pipeline", f"train.out_dir={tmp_path}"] + ([f"dist.pipeline_cut={cut}"] if cut else [])
+    memory budget or given; clipping active (the norm is several times train.grad_clip); over
+    mpi4py and over an MLX transport (its sends go over its mpi4py side)."""
+    args = [*LM, "dist.mode=pipeline", f"train.out_dir={tmp_path}", f"dist.backend={backend}"] + (
+        [f"dist.pipeline_cut={cut}"] if cut else [])
     r = _ok(_train(args, np_=n))
     assert "pipeline parallelism: 6 model stages cut" in r.stderr, r.stderr[-2000:]
     weights, moments = _same_as(one_process, tmp_path)
     evals = [(e["step"], e["eval_loss"]) for e in _events(tmp_path, "eval")]
     expected = [(e["step"], e["eval_loss"]) for e in _events(one_process, "eval")]
-    print(f"pipeline n={n} cut={cut or 'plan'}: max weight diff {weights:.3g}, moments {moments:.3g}; eval {evals} "
+    print(f"pipeline n={n} cut={cut or 'plan'} {backend}: max weight diff {weights:.3g}, moments {moments:.3g}; eval {evals} "
           f"(one process {expected})")
     assert weights <= TOL and moments <= TOL, (weights, moments)
     assert [s for s, _ in evals] == [s for s, _ in expected] == [2, 4]
@@ -270,6 +279,48 @@ def test_a_non_finite_step_is_skipped_on_every_rank(tmp_path):
         assert [s["step"] for s in _events(tmp_path / "pp", "skipped", rank)] == skipped, rank
     weights, moments = _same_as(tmp_path / "one", tmp_path / "pp")
     assert weights <= TOL and moments <= TOL, (weights, moments)
+
+
+@pytest.mark.cluster
+def test_a_frozen_stage_is_named_by_its_neighbours(tmp_path):
+    """The middle stage of three frozen (SIGSTOP) mid-run: the ranks waiting on it (an activation
+    or gradient to or from it, named with the micro-batch and the rank, or a collective of the
+    step) are stalled there, and name the frozen rank and only it as the culprit."""
+    from test_stall import STALL_S, _rank_pids
+
+    args = [*FAST, "train.steps=100000", "train.batch_size=1", "checkpoint.every=0", "dist.sync_weights_every=0",
+            "dist.mode=pipeline", f"dist.stall_timeout_s={STALL_S}", f"train.out_dir={tmp_path}"]
+    proc = subprocess.Popen(train_command(args, 3), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env())
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(logged_steps(tmp_path)) < 3:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no training progress within 120 s"
+            time.sleep(0.1)
+        pids = _rank_pids(proc.pid, 3)
+        os.kill(pids[1], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=STALL_S * 6 + 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0, err[-3000:]
+    host = re.escape(socket.gethostname())
+    stalled = {int(m.group(1)): m.group(2) for m in re.finditer(
+        r"mlxdist: rank (\d+) \(.*?\): stalled \d+s in (.*?) \(dist.stall_timeout_s\): ", err)}
+    neighbours = {r: what for r, what in stalled.items() if r != 1}
+    assert neighbours, err[-3000:]
+    for r, what in neighbours.items():
+        if what.startswith(("activation of", "gradient of")):  # a wait on the frozen neighbour itself
+            assert re.fullmatch(r"(activation|gradient) of micro-batch \d+ (from|to) rank 1( \(waiting for the peer "
+                                r"to take it\))?", what), (r, what)
+    lines = [ln for ln in err.splitlines() if re.match(r"mlxdist: rank [02] \(", ln) and "stalled" in ln]
+    assert all(re.search(rf"rank 1 \({host}\)", ln) for ln in lines), lines
 
 
 # ---------------------------------------------------------------- refusals, one line each

@@ -220,7 +220,8 @@ class Pipeline(Strategy):
     def forward_backward(self, engine: Engine, batches: list[Batch]) -> float:
         """Every rank's micro-batches of the step through the pipeline, 1F1B; returns the
         seconds this rank waited for its neighbours."""
-        every = [b for mine in self.world.allgather(list(batches)) for b in mine]
+        with self.world.watch("gathering the step's micro-batches (pipeline)"):
+            every = [b for mine in self.world.allgather(list(batches)) for b in mine]
         self._count += sum(int(b.count) for b in every)
         m, p, r = len(every), self.size, self.rank
         waited = 0.0
@@ -364,7 +365,8 @@ class Pipeline(Strategy):
     def eval_losses(self, engine: Engine, batches: list[Batch], metrics: MetricSums) -> list[tuple[float, int]]:
         """Every rank's evaluation batches through the pipeline, forward only; the last rank's
         losses and metrics handed to rank 0, which reports them for all (the others none)."""
-        every = [b for mine in self.world.allgather(list(batches)) for b in mine]
+        with self.world.watch("gathering the evaluation batches (pipeline)"):
+            every = [b for mine in self.world.allgather(list(batches)) for b in mine]
         weights, r, last = self._run_weights(), self.rank, self.size - 1
         losses, found = [], MetricSums()
         for j, batch in enumerate(every):
