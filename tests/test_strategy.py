@@ -130,7 +130,8 @@ def test_mlx_engines_declare_what_they_can_do_and_sharding_reads_it():
     cfg = load_config(None, ["dist.shard=gradients"])
     task = mlx_own_optimizer()
     own = MLXEngine(cfg, task=task)
-    assert own.capabilities == Capabilities(task.name, own_optimizer=True)
+    assert own.capabilities == Capabilities(task.name, own_optimizer=True, model_summary=own.capabilities.model_summary,
+                                            generation=True, shards=True, adapters=True)
     with pytest.raises(ConfigError, match=r"dist.shard=gradients shards mlxdist's optimizer; this task brings its own "
                                           r"optimizer \(Task.optimizer\): drop it or set dist.shard=none"):
         make_strategy(cfg, WORLD, own, None, plan_of(cfg), None)

@@ -478,6 +478,9 @@ def _preset(args: argparse.Namespace, cfg: Config, weights: dict) -> tuple[list[
         raise GenerateError("--prompt: empty; give at least one character")
     _check_weights_fit(args.checkpoint, cfg, weights)
     engine = make_engine(args.engine, cfg, device=args.device)
+    if not engine.capabilities.generation:  # `engine.base.Generation`
+        raise GenerateError(f"--engine {args.engine}: this engine does not generate (its capabilities offer no "
+                            "sample()); use another --engine")
     engine.set_weights(weights)
     _write(req.prompt)
     stream = _Stream(tok.decode)

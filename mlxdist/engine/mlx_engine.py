@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -51,6 +51,10 @@ def _pairs(totals: dict, counts: dict) -> dict:
 
 
 class MLXEngine(ReleasesWeights):
+    """`engine/base.py`'s `Engine` on MLX's device, offering generation, sharding (staged where
+    the model has stages) and adapters (`capabilities`); no overlap: MLX builds the whole
+    backward graph lazily."""
+
     name = "mlx"
 
     def __init__(self, cfg: Config, task: Task | None = None, args=None, micro_batch: int = 0):
@@ -64,7 +68,6 @@ class MLXEngine(ReleasesWeights):
         ctx = TaskContext("mlx", self.device, cfg.train.seed, cfg, micro_batch)
         built = built_from_task(task.build(ctx), adopt_mlx, None, task.name)
         self.model = built.module
-        self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.whole_state = built.whole_state
         self.names = sorted(built.params)
         self.trained_names = self.names
@@ -79,8 +82,11 @@ class MLXEngine(ReleasesWeights):
         self.own_optimizer = self._make_optimizer(task)
         self._reset_accumulators()
         self.model_state = MlxModelState(self.model, self._state_arrays)
+        self.memory = MLXMemory()
         self.capabilities = Capabilities(task.name, own_optimizer=self.own_optimizer is not None,
-                                         staged=getattr(self.model, "stages", None) is not None)
+                                         staged=getattr(self.model, "stages", None) is not None,
+                                         model_summary=built.summary, base_fingerprint=built.fingerprint,
+                                         base=built.base, generation=True, shards=True, adapters=True)
 
     def _make_optimizer(self, task: Task):
         """The task's own `mlx.optimizers.Optimizer`, initialised on the trained parameters,
@@ -353,39 +359,34 @@ class MLXEngine(ReleasesWeights):
         trained = set(self.names)
         return {n: a for n, a in tree_flatten(self.model.parameters()) if n not in trained}
 
-    def get_state(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
-        return self.model_state.get_state(names)
-
-    def set_state(self, state: dict[str, np.ndarray]) -> None:
-        self.model_state.set_state(state)
-
-    def state_names(self) -> list[str]:
-        return self.model_state.state_names()
-
-    def has_state(self) -> bool:
-        return self.model_state.has_state()
-
-    def changed_state(self) -> list[str]:
-        return self.model_state.changed_state()
-
-    def mark_state(self) -> None:
-        self.model_state.mark_state()
-
     def save_adapter(self, out_dir: Path) -> Path | None:
         """The trained adapter in PEFT's layout (None when the whole model trained)."""
         if self.cfg.finetune.method == "full":
             return None
         from ..models.adapters import BaseInfo, save_peft
 
-        base = BaseInfo(self.base.path, len(self.model.layers), self.base_fingerprint)
+        caps = self.capabilities
+        base = BaseInfo(caps.base.path, len(self.model.layers), caps.base_fingerprint)
         return save_peft(self.get_weights(), base, self.cfg.finetune, out_dir)
 
     # -- machine ----------------------------------------------------------------------
-    def memory(self) -> MemoryReading:
-        return with_override(MemoryReading(mx.get_active_memory(), mx.get_peak_memory(), self._limit()[0]))
+    def describe(self) -> str:
+        from ..blas import status
+
+        opt = (f"; optimizer {type(self.own_optimizer).__name__} (the task's)" if self.own_optimizer is not None
+               else f"; optimizer {self.optimizer.title}")
+        return (f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}; "
+                f"{MLXMemory.limit()[1]}{opt}")
+
+
+class MLXMemory:
+    """`engine.base.Memory` from MLX's allocator."""
+
+    def reading(self) -> MemoryReading:
+        return with_override(MemoryReading(mx.get_active_memory(), mx.get_peak_memory(), self.limit()[0]))
 
     @staticmethod
-    def _limit() -> tuple[int, str]:
+    def limit() -> tuple[int, str]:
         """On a Mac Metal's recommended working set (MLX's own limit is ~1.5x that, into
         GPU paging); on Linux, about the RAM."""
         return mlx_memory_limit(mx.device_info(), mx.get_memory_limit(), sys.platform)
@@ -395,14 +396,6 @@ class MLXEngine(ReleasesWeights):
 
     def clear_cache(self) -> None:
         mx.clear_cache()
-
-    def describe(self) -> str:
-        from ..blas import status
-
-        opt = (f"; optimizer {type(self.own_optimizer).__name__} (the task's)" if self.own_optimizer is not None
-               else f"; optimizer {self.optimizer.title}")
-        return (f"mlx on {self.device}, compute {self.cfg.model.dtype}, master fp32; {status()}; "
-                f"{self._limit()[1]}{opt}")
 
 
 _NOTHING = mx.zeros((0,), mx.float32)

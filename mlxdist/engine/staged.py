@@ -122,8 +122,9 @@ class StagedShardOps:
 
     def stage_names(self) -> list[list[str]] | None:
         """Each stage's parameters in `model.stages()`' order, or None for a model without stages."""
-        stages = getattr(self.engine.model, "stages", None)
-        return None if stages is None else [list(names) for names, _ in stages()]
+        if not self.engine.capabilities.staged:
+            return None
+        return [list(names) for names, _ in self.engine.model.stages()]
 
     def staged(self, batch: Batch, fetch: Callable, hand: Callable) -> None:
         self.engine.staged_step(batch, fetch, hand)
@@ -137,3 +138,7 @@ class StagedShardOps:
 
     def release(self) -> None:
         self.engine.release_weights()
+
+    @property
+    def released(self) -> bool:
+        return self.engine.released

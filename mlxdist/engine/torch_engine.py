@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +171,8 @@ def _ours(name: str, a: np.ndarray) -> np.ndarray:
 
 
 class TorchEngine(ReleasesWeights):
-    """Engine protocol (`engine/base.py`) on one torch device."""
+    """`engine/base.py`'s `Engine` on one torch device, offering generation, sharding (staged
+    where the model has stages), adapters and overlap (`capabilities`)."""
 
     name = "torch"
     notes_extra: list[str] = []
@@ -199,7 +200,6 @@ class TorchEngine(ReleasesWeights):
         torch.manual_seed(cfg.train.seed)  # a model initialised without a seed still starts the same every run
         built = built_from_task(task.build(ctx), adopt_torch, self.dev, task.name)
         self.model = built.module
-        self.model_summary, self.base_fingerprint, self.base = built.summary, built.fingerprint, built.base
         self.whole_state = built.whole_state
         self.model.train()
         self._names = sorted(built.params)
@@ -243,8 +243,12 @@ class TorchEngine(ReleasesWeights):
         notes = [n for n in [slow_autocast_note(self.device_type, self.dtype_name)] if n] + self.notes_extra
         self.capabilities = Capabilities(task.name, own_optimizer=self.own_optimizer,
                                          loss_scaling=self.scaler is not None, compiled=self.compiled,
-                                         staged=getattr(self.model, "stages", None) is not None, notes=tuple(notes))
-        self._grads = ParamGradients(self._params, self.model)
+                                         staged=getattr(self.model, "stages", None) is not None, notes=tuple(notes),
+                                         model_summary=built.summary, base_fingerprint=built.fingerprint,
+                                         base=built.base, generation=True, shards=True, adapters=True, overlap=True)
+        # `engine.base.Overlap`: the gradient sum reads gradients through these (engine/torch_grads.py).
+        self.gradients = self._grads = ParamGradients(self._params, self.model)
+        self.memory = TorchMemory(self.device_type, self.dev)
         self.last_skip_overflow = False
         self.model_state = TorchModelState(self.model, self._state_tensors)
         self._reset_accumulators()
@@ -334,24 +338,6 @@ class TorchEngine(ReleasesWeights):
         trained = set(self._names)
         return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if n not in trained}
 
-    def get_state(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
-        return self.model_state.get_state(names)
-
-    def set_state(self, state: dict[str, np.ndarray]) -> None:
-        self.model_state.set_state(state)
-
-    def state_names(self) -> list[str]:
-        return self.model_state.state_names()
-
-    def has_state(self) -> bool:
-        return self.model_state.has_state()
-
-    def changed_state(self) -> list[str]:
-        return self.model_state.changed_state()
-
-    def mark_state(self) -> None:
-        self.model_state.mark_state()
-
     def save_adapter(self, out_dir: Path) -> Path | None:
         """The trained adapter in PEFT's own layout (None when the whole model trained)."""
         peft_model = getattr(self.model, "peft", None)
@@ -363,16 +349,6 @@ class TorchEngine(ReleasesWeights):
     def weight_checksum(self) -> int:
         self._whole("weight_checksum")
         return checksum(_to_numpy(p) for p in self._params)
-
-    def memory(self) -> MemoryReading:
-        if self.device_type == "cuda":
-            return with_override(MemoryReading(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
-                                               torch.cuda.get_device_properties(self.dev).total_memory))
-        return mps_reading(torch.mps) if self.device_type == "mps" else process_reading()
-
-    def reset_peak(self) -> None:
-        if self.device_type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
 
     def _from_numpy(self, value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         """A fresh device tensor: `from_numpy` shares memory, and optimizer moments that
@@ -643,25 +619,8 @@ class TorchEngine(ReleasesWeights):
         self.released = True
 
 
-    # -- overlap: a sync strategy may start sending gradients while backward still runs ----
-    # The gradient sum reads gradients through these (engine/torch_grads.py).
-    def backward_order(self) -> list[int]:
-        return self._grads.backward_order()
-
     def gradient_sizes(self) -> list[int]:
         return self._grads.gradient_sizes()
-
-    def gradient(self, i: int) -> torch.Tensor:
-        return self._grads.gradient(i)
-
-    def on_gradient_ready(self, callback: Callable[[int], None] | None) -> None:
-        self._grads.on_gradient_ready(callback)
-
-    def clear_cache(self) -> None:
-        if self.device_type == "cuda":
-            torch.cuda.empty_cache()
-        elif self.device_type == "mps":
-            torch.mps.empty_cache()
 
     @torch.no_grad()
     def eval_loss(self, batch, metrics: MetricSums | None = None) -> tuple[float, int]:
@@ -686,6 +645,29 @@ class TorchEngine(ReleasesWeights):
         """No KV cache: each token re-runs the cropped context (fine for short demos)."""
         return sample_tokens(lambda w: self.logits(np.array([w], np.int32))[0, -1], prompt, max_new,
                              temperature, seed, context or self.cfg.data.seq_len, stop, on_token)
+
+
+class TorchMemory:
+    """`engine.base.Memory` from the device's allocator (CUDA, MPS), or the process's on a CPU."""
+
+    def __init__(self, device_type: str, dev: torch.device):
+        self.device_type, self.dev = device_type, dev
+
+    def reading(self) -> MemoryReading:
+        if self.device_type == "cuda":
+            return with_override(MemoryReading(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(),
+                                               torch.cuda.get_device_properties(self.dev).total_memory))
+        return mps_reading(torch.mps) if self.device_type == "mps" else process_reading()
+
+    def reset_peak(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def clear_cache(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.empty_cache()
+        elif self.device_type == "mps":
+            torch.mps.empty_cache()
 
 
 class _GradCarrier(torch.optim.Optimizer):

@@ -37,12 +37,13 @@ class DataParallel(Strategy):
                                                               *local.metrics.flat(local.count)])
         stats = engine.apply_gradients(grads, loss_sum, int(count), lr)
         stats.metrics = means(local.metrics.names(), metrics)
-        self.state_sync(engine, local.count)
+        self.state_sync(engine.model_state, local.count)
         stats.sync_seconds, stats.sync_bytes, stats.sync_overlapped = sync.seconds, sync.bytes, sync.overlapped
         return stats
 
     def before_last_backward(self, engine: Engine) -> None:
-        self.reducer.arm(engine)
+        if engine.capabilities.overlap:
+            self.reducer.arm(engine.gradients)
 
     def save_rank_state(self, root: Path, step: int, engine: Engine, keep: int) -> None:
         """The reducer's own state (a lossy wire's residuals), when it keeps any."""

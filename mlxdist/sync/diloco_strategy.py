@@ -122,7 +122,7 @@ class DiLoCoStrategy(Strategy):
         self._round_samples += samples if worked else 0
         events = [self._event(step, s) for s in stats]
         if closed is not None:
-            self.state_sync(engine, self._round_samples)
+            self.state_sync(engine.model_state, self._round_samples)
             self._round_samples = 0
             events.append(self._close_round(step, *closed))
         if self.box is not None:

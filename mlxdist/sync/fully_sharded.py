@@ -61,7 +61,7 @@ from ..control.run_plan import RunPlan
 from ..engine.base import Engine, StepStats
 from ..tasks import Batch
 from ..tasks.metrics import means
-from .sharded import ShardedDataParallel
+from .sharded import ShardedDataParallel, shard_ops
 
 
 def check_stageable(cfg: Config, world: World, engine: Engine) -> list[list[str]]:
@@ -73,14 +73,14 @@ def check_stageable(cfg: Config, world: World, engine: Engine) -> list[list[str]
     if cfg.train.ema:
         raise world.agreed_error("dist.shard=weights with train.ema: the average is a whole copy of the weights on "
                                  "every rank, which ZeRO-3 exists to avoid; drop train.ema or use dist.shard=gradients")
-    if engine.has_state():
+    if engine.model_state.has_state():
         raise world.agreed_error(f"{why}; this model has buffers or frozen arrays besides its trained weights "
                                  "(BatchNorm's statistics, ...), which it does not shard: use dist.shard=gradients")
-    names = engine.shard_ops().stage_names()
-    if names is None:
+    if not engine.capabilities.staged:
         raise world.agreed_error(f"{why}, but {type(engine.model).__name__} has no stages() (the built-in LM's presets "
                                  "do); use dist.shard=gradients, or give the model a stages() method (docs/"
                                  "bigger-than-one-mac.md)")
+    names = shard_ops(world, engine, "weights").stage_names()
     trained, seen = set(engine.trained_names), {n for stage in names for n in stage}
     if seen != trained:
         odd = sorted(trained - seen)[:3] or sorted(seen - trained)[:3]
@@ -343,7 +343,7 @@ class FullyShardedDataParallel(ShardedDataParallel):
             yield
         finally:
             self._depth -= 1
-            if self._depth == 0 and not engine.released:
+            if self._depth == 0 and not self.ops.released:
                 self.ops.release()
                 self.ops.drop_moments(self.t)  # a checkpoint writer was handed the whole moments
 

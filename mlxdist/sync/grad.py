@@ -49,7 +49,7 @@ class GradSync(Reducer):
         last one's is replanned anyway: a sum never cuts one layout by another's plan)."""
         self._plan = None
 
-    def arm(self, engine) -> None:
+    def arm(self, gradients) -> None:
         """MLX builds the whole backward graph lazily: there is nothing to overlap with."""
 
     def all_sum(self, arrays: list[mx.array]) -> tuple[list[mx.array], SyncStats]:

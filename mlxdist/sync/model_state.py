@@ -11,9 +11,14 @@ Entries nothing wrote cost nothing but a small all-gather of names.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..cluster.world import World
+
+if TYPE_CHECKING:
+    from ..engine.base import ModelState
 
 RUNNING_STATS = ("running_mean", "running_var")
 
@@ -27,16 +32,17 @@ class StateSync:
         self.world = world
         self.active: bool | None = None  # decided at the first step: does the model have such state?
 
-    def __call__(self, engine, units: float) -> None:
-        """Collective: every rank calls it after the same update, with the units it trained on."""
+    def __call__(self, tracker: ModelState, units: float) -> None:
+        """Collective: every rank calls it after the same update, with the units it trained on.
+        `tracker` is the model's state (`engine.model_state`, or a your-loop model's tracker)."""
         if self.active is None:
-            self.active = self.world.size > 1 and engine.has_state()
+            self.active = self.world.size > 1 and tracker.has_state()
         if not self.active:
             return
-        names = sorted(set().union(*self.world.allgather(engine.changed_state())))
+        names = sorted(set().union(*self.world.allgather(tracker.changed_state())))
         if not names:
             return
-        state = engine.get_state(names)
+        state = tracker.get_state(names)
         stats = {n: v for n, v in state.items() if is_running_stat(n, v)}
         agreed: dict[str, np.ndarray] = {}
         if stats:
@@ -47,4 +53,4 @@ class StateSync:
         rest = {n: v for n, v in state.items() if n not in agreed}
         if rest:
             agreed |= self.world.broadcast_arrays(rest)
-        engine.set_state(agreed)
+        tracker.set_state(agreed)

@@ -40,8 +40,10 @@ class Reducer:
 
     keeps_rank_state = False
 
-    def arm(self, engine) -> None:
-        """Before a step's last backward (reducers that overlap start sending then)."""
+    def arm(self, gradients) -> None:
+        """Before a step's last backward (reducers that overlap start sending then): the
+        gradients as backward finishes them (`engine.base.GradientFeed`), where the engine
+        offers them (`capabilities.overlap`)."""
 
     def all_sum(self, arrays: list) -> tuple[list, SyncStats]:
         raise NotImplementedError

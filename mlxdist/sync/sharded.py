@@ -86,7 +86,7 @@ from ..config import Config
 from ..control.memory_plan import Bytes, RankNeed
 from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
-from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
+from ..engine.base import Engine, Piece, ShardOps, StepStats, nothing_to_learn
 from ..tasks.metrics import means
 from .data_parallel import DataParallel
 
@@ -104,6 +104,14 @@ def check_shardable(cfg: Config, world: World, engine: Engine, shard: str | None
         raise world.agreed_error(f"dist.shard={shard}: model.dtype=float16 on the torch engine scales the loss "
                                  "(GradScaler), which the sharded update does not undo; use model.dtype=bfloat16 "
                                  "or float32, or dist.shard=none")
+
+
+def shard_ops(world: World, engine: Engine, shard: str) -> ShardOps:
+    """The engine's `Sharding` interface, or one line where its capabilities offer none."""
+    if not engine.capabilities.shards:
+        raise world.agreed_error(f"dist.shard={shard}: the {engine.name} engine does not shard (its capabilities "
+                                 "offer no shard_ops()); set dist.shard=none")
+    return engine.shard_ops()
 
 
 def bucket_counts(bounds: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
@@ -166,7 +174,7 @@ class ShardedDataParallel(DataParallel):
         super().__init__(cfg, world, engine, plan)  # every rank sets the same gathered weights: drift check on
         self.cfg, self.hosts = cfg, list(plan.hosts)
         self.level = plan.shard
-        self.ops = engine.shard_ops()
+        self.ops = shard_ops(world, engine, self.level)
         self.names: list[str] = list(self.ops.names)
         self.shapes = dict(zip(self.names, self.ops.shapes, strict=True))  # checkpoint layout
         sizes = [math.prod(self.shapes[n]) for n in self.names]
@@ -336,7 +344,7 @@ class ShardedDataParallel(DataParallel):
         self._lap("scalars", t0)
         stats = self._update(engine, summed, loss_sum, int(count), lr)
         stats.metrics = means(local.metrics.names(), metrics)
-        self.state_sync(engine, local.count)
+        self.state_sync(engine.model_state, local.count)
         stats.sync_seconds += rs_seconds
         stats.sync_bytes += (4 if self.wire == "float32" else 2) * self.total  # the reduce-scatter's
         return stats

@@ -238,10 +238,10 @@ def share_state(world: World, engine: Engine, root: int = 0) -> None:
     opt, opt_step = engine.get_optimizer_state() if mine else ({}, None)
     weights = world.broadcast_arrays(engine.get_weights() if mine else {}, root)
     opt = world.broadcast_arrays(opt, root)
-    state = world.broadcast_arrays(engine.get_state() if mine else {}, root)
+    state = world.broadcast_arrays(engine.model_state.get_state() if mine else {}, root)
     engine.set_weights(weights)
     engine.set_optimizer_state(opt, world.bcast(opt_step, root))
-    engine.set_state(state)
+    engine.model_state.set_state(state)
 
 
 def save_rank_file(world: World, hosts: list[str], root: Path, step: int, arrays: dict[str, np.ndarray],

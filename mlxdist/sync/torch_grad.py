@@ -17,6 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ import torch
 from ..cluster.codec import make_codec
 from ..cluster.transport import Transport
 from .reducer import Reducer, SyncStats, plan_buckets
+
+if TYPE_CHECKING:
+    from ..engine.base import GradientFeed
 
 
 class TorchGradSync(Reducer):
@@ -43,7 +47,7 @@ class TorchGradSync(Reducer):
         self._sender = _Sender(transport.channel()) if overlap else None  # collective: every rank builds it
         self._ready: set[int] = set()
         self._next = 0
-        self._engine = None
+        self._gradients: GradientFeed | None = None
         self.overlapped = 0  # buckets of this step that went out before backward ended
 
     # -- the plan -----------------------------------------------------------------------
@@ -56,20 +60,20 @@ class TorchGradSync(Reducer):
         return self.codec.to_wire(flat.cpu().numpy())
 
     # -- overlap ------------------------------------------------------------------------
-    def arm(self, engine) -> None:
+    def arm(self, gradients: GradientFeed) -> None:
         """Before the step's last backward: send buckets as their gradients become final."""
         if self._sender is None:
             return
         if self._plan is None:
-            self._make_plan(engine.gradient_sizes(), engine.backward_order())
+            self._make_plan(gradients.gradient_sizes(), gradients.backward_order())
         self._ready = set()  # a retry after out-of-memory: earlier readiness no longer holds
-        self._engine = engine
-        engine.on_gradient_ready(self._gradient_ready)
+        self._gradients = gradients
+        gradients.on_gradient_ready(self._gradient_ready)
 
     def _gradient_ready(self, i: int) -> None:
         self._ready.add(i)
         while self._next < len(self._plan) and all(j in self._ready for j in self._plan[self._next]):
-            self._launch(self._next, [self._engine.gradient(j) for j in self._plan[self._next]])
+            self._launch(self._next, [self._gradients.gradient(j) for j in self._plan[self._next]])
             self.overlapped += 1
 
     def _launch(self, k: int, tensors: list[torch.Tensor]) -> None:

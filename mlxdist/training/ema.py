@@ -26,7 +26,7 @@ class EMA:
 
     @staticmethod
     def _model(engine: Engine) -> dict[str, np.ndarray]:
-        state = engine.get_state() if engine.has_state() else {}
+        state = engine.model_state.get_state() if engine.model_state.has_state() else {}
         return engine.get_weights() | {n: a for n, a in state.items() if np.issubdtype(a.dtype, np.floating)}
 
     def start(self, engine: Engine, saved: dict[str, np.ndarray] | None) -> str | None:

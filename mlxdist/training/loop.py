@@ -197,9 +197,9 @@ class Trainer:
         """What this run decides once (`control/run_plan.py`), from the config and what every
         rank reports: its memory limit; `dist.shard=auto` resolved against them."""
         cfg, w, engine = self.cfg, self.world, self.engine
-        limits = w.allgather(int(engine.memory().limit))
+        limits = w.allgather(int(engine.memory.reading().limit))
         shard, lines = resolve_shard(cfg, w, engine, self.hosts, limits, self._builtin_lm)
-        vocab = lm_vocab_size(cfg, engine.base) if self._builtin_lm else None
+        vocab = lm_vocab_size(cfg, engine.capabilities.base) if self._builtin_lm else None
         return build_run_plan(cfg, w.rank, nodes, self.hosts, limits, shard=shard,
                               n_trained=int(sum(engine.gradient_sizes())), vocab_size=vocab, notes=lines)
 
@@ -293,7 +293,7 @@ class Trainer:
         out-of-memory the micro-batch shrinks and the same samples are redone: the share is
         unchanged, so peers simply wait in the exchange, and the new size reaches them at the
         next all-gather. Not under a strategy whose ranks cannot redo alone (ZeRO-3)."""
-        self.engine.reset_peak()
+        self.engine.memory.reset_peak()
         t0 = time.perf_counter()
         while True:
             try:
@@ -356,7 +356,7 @@ class Trainer:
     def adapt(self, compute_s: float) -> MemoryReading:
         """Memory -> this rank's micro-batch; all-gathered numbers -> the cluster's plan and
         whether to stop. Every rank decides the same from the same gathered list."""
-        memory = self.engine.memory()
+        memory = self.engine.memory.reading()
         if self.cfg.control.adapt_batch:
             d = self.ctl.batch.observe(memory.peak, memory.limit)
             if d is not None:
@@ -365,7 +365,7 @@ class Trainer:
                                  action="shrink" if d.new < d.old else "grow")
         every = self.cfg.control.clear_cache_every
         if every and self.state.step % every == 0:
-            self.engine.clear_cache()
+            self.engine.memory.clear_cache()
         if not self.sync.meets(self.state.step):
             return memory
         gathered = self.world.allgather({"samples": self.plan.shares[self.world.rank], "compute_s": compute_s,
@@ -551,7 +551,8 @@ class Trainer:
     def finish(self, stats: StepStats | None) -> None:
         s = self.state
         if self.world.is_main:
-            adapter = self.engine.save_adapter(self.run_dir / "adapter")
+            adapters = self.engine.capabilities.adapters  # `engine.base.Adapters`
+            adapter = self.engine.save_adapter(self.run_dir / "adapter") if adapters else None
             if adapter is not None:
                 self.report.say(f"adapter: {adapter} (PEFT layout; `python -m mlxdist.generate --model "
                                 f"{self.cfg.model.path} --adapter-path {adapter}`)")
@@ -684,17 +685,17 @@ class Trainer:
                               f"{mine['factory'] or 'none (built-in LM)'} with {mine['args']}; resume with the same task")
 
     def _check_checkpoint_base(self, path: Path, meta: ckpt.CheckpointMeta) -> None:
-        mine = self.engine.base_fingerprint
+        mine = self.engine.capabilities.base_fingerprint
         if meta.base_fingerprint == mine:
             return
-        if self.engine.base is None and self.cfg.task.factory:  # a task's frozen weights
+        if self.engine.capabilities.base is None and self.cfg.task.factory:  # a task's frozen weights
             raise ConfigError(f"checkpoint {path}: trained with {meta.base_fingerprint or 'no frozen weights'}, "
                               f"task {self.task.name} now has {mine or 'none'}; resume with the base it was "
                               "trained on (the same files the task loads)")
         if mine is None or meta.base_fingerprint is None:
             raise ConfigError(f"checkpoint {path}: trained on {'no' if meta.base_fingerprint is None else 'a'} "
                               f"pretrained base, but model.path is {self.cfg.model.path or 'unset'}")
-        ours = dict(self.engine.base.files)
+        ours = dict(self.engine.capabilities.base.files)
         differ = sorted(f for f in set(ours) | set(meta.base_files) if ours.get(f) != meta.base_files.get(f))
         raise ConfigError(f"checkpoint {path}: its base differs from model.path {self.cfg.model.path}"
                           + (f" in {', '.join(differ)}" if differ else "") + "; resume with the base it was trained on")
@@ -702,13 +703,13 @@ class Trainer:
     def _check_same_base(self) -> None:
         """Every rank must fine-tune the very same base: a host with another snapshot of the
         model would train something else under the same name."""
-        prints = self.world.allgather(self.engine.base_fingerprint)
+        prints = self.world.allgather(self.engine.capabilities.base_fingerprint)
         odd = [f"rank {r} ({self.hosts[r]})" for r, f in enumerate(prints) if f != prints[0]]
         if not odd:
             return
         err = ConfigError(f"task {self.task.name}: the frozen weights on {', '.join(odd)} differ from rank 0's "
                           f"({self.hosts[0]}); copy the same files the task loads (a pretrained checkpoint) to every "
-                          "host" if self.engine.base is None else
+                          "host" if self.engine.capabilities.base is None else
                           f"model.path {self.cfg.model.path}: the base weights on {', '.join(odd)} differ from "
                           f"rank 0's ({self.hosts[0]}); copy the same model directory to every host")
         err.all_ranks = True  # every rank saw the same gathered list: all stop, none aborts the others
@@ -716,7 +717,7 @@ class Trainer:
 
     def _shrink_after_oom(self, error: BaseException, batches: list[Batch]) -> list[Batch]:
         self.engine.discard_gradients()
-        self.engine.clear_cache()
+        self.engine.memory.clear_cache()
         try:
             d = self.ctl.batch.on_oom()
         except BatchSizeError as stuck:
@@ -739,7 +740,7 @@ class Trainer:
             say(strategy)
         data = self.task.dataset
         what = self.task.data_summary or f"{len(data)} samples, loss per {self.task.unit.rstrip('s')}"
-        say(f"{self.engine.model_summary}; data: {what}")
+        say(f"{self.engine.capabilities.model_summary}; data: {what}")
         try:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         except OSError as e:

@@ -24,12 +24,13 @@ class ModelState:
 
     def state_dict(self) -> dict[str, Any]:
         opt, opt_step = self.engine.get_optimizer_state()
-        base = self.engine.base
+        caps = self.engine.capabilities
+        base = caps.base
         # The model's whole state: what every rank agrees on, plus buffers (equal on all ranks).
-        model = self.sync.model_weights(self.engine) | self.engine.get_state()
+        model = self.sync.model_weights(self.engine) | self.engine.model_state.get_state()
         return {"model": model, "optimizer": opt, "optimizer_step": opt_step,
                 "sync": self.sync.state_dict(self.engine), "engine": self.engine.name,
-                "base_fingerprint": self.engine.base_fingerprint, "base_files": dict(base.files) if base else {}}
+                "base_fingerprint": caps.base_fingerprint, "base_files": dict(base.files) if base else {}}
 
 
 @dataclass
