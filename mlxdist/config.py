@@ -184,7 +184,8 @@ class DistConfig:
     """How ranks exchange gradients (ddp) or weights (diloco)."""
 
     mode: str = field(default="ddp", metadata=_range(choices=registry.mode_names, help=(
-        "the sync strategy (STRATEGIES): ddp (data parallel), diloco, or one a plugin registered")))
+        "the sync strategy (STRATEGIES): ddp (data parallel), diloco, pipeline (the layer stack cut across the ranks; "
+        "MLX engine), or one a plugin registered")))
     shard: str = field(default="none", metadata=_range(
         choices=registry.shard_names,
         help="data parallel, sharded: optimizer state (ZeRO-1), + gradients (ZeRO-2), + weights (ZeRO-3: a "

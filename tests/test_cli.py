@@ -48,7 +48,7 @@ def test_help_lists_every_key_with_its_default():
     assert "--engine {" + ",".join(ENGINES) + "}" in out
     assert "nodes.HOST.batch_size = 16" in out
     listed = {ln.split(" = ")[0].strip() for ln in describe_keys() if " = " in ln}
-    assert listed == (set(keys) - {"nodes"}) | {"nodes.HOST.batch_size", "nodes.HOST.memory_target"}
+    assert listed == (set(keys) - {"nodes"}) | {"nodes.HOST.batch_size", "nodes.HOST.memory_target", "nodes.HOST.speed"}
 
 
 def test_print_config_is_the_resolved_config_and_loads_back(tmp_path):
