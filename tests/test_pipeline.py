@@ -131,6 +131,9 @@ P2P = textwrap.dedent("""
     world = init_world(backend)
     t = make_transport(world, backend)
     r, n = t.rank, t.size
+    # A receive posted before anything is sent, waited for last.
+    early = np.empty(2, np.uint16)
+    posted = t.post_recv(early, (r - 1) % n, tag=9)
     # Every rank sends to both neighbours before receiving anything (1F1B's crossing sends):
     # nonblocking sends cannot deadlock.
     sent = []
@@ -143,9 +146,8 @@ P2P = textwrap.dedent("""
         got = np.empty(1000, np.float32)
         t.recv(got, frm, tag=5 + step, what="test receive")
         assert np.array_equal(got, np.arange(1000, dtype=np.float32) + 1000 * frm + step), (r, frm)
-    got = np.empty(2, np.uint16)
-    t.recv(got, (r - 1) % n, tag=9)
-    assert list(got) == [(r - 1) % n, (r - 1) % n + 1]
+    posted.wait()
+    assert list(early) == [(r - 1) % n, (r - 1) % n + 1]
     wait_sent(sent)
     t.barrier()
     print(f"P2P OK {backend} {n} {type(t).__name__}", flush=True)

@@ -157,6 +157,11 @@ class Transport:
         `tag`, waiting politely for it (named to the stall watchdog)."""
         raise RuntimeError(f"{what}: the {self.name} transport has one rank, no peer to receive from")
 
+    def post_recv(self, buf: np.ndarray, source: int, tag: int = 0, what: str = "receive") -> Sent:
+        """`recv` started now and waited for later (its handle's `wait()`): posted early, a
+        message can land while the caller computes. `buf` is the caller's, untouched until then."""
+        raise RuntimeError(f"{what}: the {self.name} transport has one rank, no peer to receive from")
+
     def barrier(self, what: str = "barrier") -> None:
         pass
 
@@ -361,6 +366,9 @@ class MpiTransport(Transport):
         with self.watch(what):
             wait_all([self.comm.Irecv(buf, source=source, tag=tag)])  # no doorbell: not a collective
 
+    def post_recv(self, buf: np.ndarray, source: int, tag: int = 0, what: str = "receive") -> Sent:
+        return Sent([self.comm.Irecv(buf, source=source, tag=tag)], buf, self.watch, what, received=True)
+
     def barrier(self, what: str = "barrier") -> None:
         with self.watch(what):
             arrive(self.comm, self.bell)
@@ -381,11 +389,13 @@ class MpiTransport(Transport):
 
 
 class Sent:
-    """A send in flight (`Transport.send`): `wait()` returns once its buffer has left, which
-    the buffer's owner must not change or drop before."""
+    """A message in flight: a send (`Transport.send`), whose `wait()` returns once its buffer has
+    left, or a posted receive (`post_recv`), whose `wait()` returns once its buffer is filled; the
+    buffer's owner must not change, read or drop it before."""
 
-    def __init__(self, requests: list, buf: np.ndarray | None, watch, what: str):
-        self._requests, self._buf, self._watch, self._what = requests, buf, watch, what
+    def __init__(self, requests: list, buf: np.ndarray | None, watch, what: str, received: bool = False):
+        self._requests, self._buf, self._watch = requests, buf, watch
+        self._what = what if received else f"{what} (waiting for the peer to take it)"
 
     def done(self) -> bool:
         from mpi4py import MPI
@@ -394,7 +404,7 @@ class Sent:
 
     def wait(self) -> None:
         if self._requests:
-            with self._watch(f"{self._what} (waiting for the peer to take it)"):
+            with self._watch(self._what):
                 wait_all(self._requests)
         self._requests, self._buf = [], None
 
@@ -593,6 +603,9 @@ class MlxTransport(Transport):
 
     def recv(self, buf: np.ndarray, source: int, tag: int = 0, what: str = "receive") -> None:
         self.mpi.recv(buf, source, tag, what)
+
+    def post_recv(self, buf: np.ndarray, source: int, tag: int = 0, what: str = "receive") -> Sent:
+        return self.mpi.post_recv(buf, source, tag, what)
 
     def barrier(self, what: str = "barrier") -> None:
         import mlx.core as mx

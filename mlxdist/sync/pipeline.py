@@ -226,7 +226,7 @@ class Pipeline(Strategy):
         m, p, r = len(every), self.size, self.rank
         waited = 0.0
         inputs: dict[int, object] = {}
-        outputs: dict[int, tuple[tuple[int, ...], str]] = {}
+        outputs: dict[int, tuple[tuple[int, ...], str, np.ndarray, Sent]] = {}  # the gradient's receive, posted
         weights = self._run_weights()
 
         def forward(j: int) -> None:
@@ -241,8 +241,12 @@ class Pipeline(Strategy):
             inputs[j] = x
             if not self.stage.is_last:
                 out = self.stage.forward(weights, x, batch)
-                outputs[j] = (tuple(out.shape), self.stage.dtype_name(out))
+                shape, dtype = tuple(out.shape), self.stage.dtype_name(out)
                 self._send_array(out, r + 1, 3 * j, f"activation of micro-batch {j} to rank {r + 1}")
+                # Its gradient's receive is posted now: it may land while later micro-batches compute.
+                buf = np.empty(math.prod(shape), self.stage.wire_dtype(dtype))
+                outputs[j] = (shape, dtype, buf, self.transport.post_recv(
+                    buf, r + 1, 3 * j + 2, f"gradient of micro-batch {j} from rank {r + 1}"))
 
         def backward(j: int) -> None:
             nonlocal waited
@@ -250,10 +254,9 @@ class Pipeline(Strategy):
             if self.stage.is_last:
                 back = self.stage.loss_backward(weights, x, batch)
             else:
-                shape, dtype = outputs.pop(j)
-                buf = np.empty(math.prod(shape), self.stage.wire_dtype(dtype))
+                shape, dtype, buf, posted = outputs.pop(j)
                 t0 = time.perf_counter()
-                self.transport.recv(buf, r + 1, 3 * j + 2, f"gradient of micro-batch {j} from rank {r + 1}")
+                posted.wait()
                 waited += time.perf_counter() - t0
                 back = self.stage.backward(weights, x, self.stage.from_numpy(buf, shape, dtype), batch)
             if not self.stage.is_first:
