@@ -216,6 +216,21 @@ def test_as_many_micro_batches_as_stages(tmp_path):
 
 
 @pytest.mark.cluster
+def test_micro_batches_of_unequal_sizes(tmp_path):
+    """11 samples a step in micro-batches of 3 and 1 on each rank (3+1 | 3+1 | 3): activations of
+    two shapes, each sent with its header the first time only, the later ones' receives posted
+    ahead. Equals data parallel on the same micro-batches (one process cannot split them so)."""
+    args = [*FAST, "train.batch_size=3", "train.global_batch=11", "train.grad_clip=0.5", "train.steps=4",
+            "train.eval_every=2", "dist.sync_weights_every=0"]
+    _ok(_train([*args, f"train.out_dir={tmp_path / 'dp'}"], np_=3))
+    r = _ok(_train([*args, "dist.mode=pipeline", f"train.out_dir={tmp_path / 'pp'}"], np_=3))
+    assert "shares [4, 4, 3] in micro-batches [3, 3, 3]" in r.stderr, r.stderr[-2000:]
+    weights, moments = _same_as(tmp_path / "dp", tmp_path / "pp")
+    print(f"unequal micro-batch sizes: max weight diff {weights:.3g} against data parallel, moments {moments:.3g}")
+    assert weights <= TOL and moments <= TOL, (weights, moments)
+
+
+@pytest.mark.cluster
 def test_checkpoints_are_whole_and_resume_anywhere(tmp_path, one_process):
     """The pipeline's step-2 checkpoint holds every stage's weights and moments (data parallel's
     format, equal to one process's); it resumes on one process and on a 3-rank pipeline of

@@ -185,6 +185,10 @@ class Pipeline(Strategy):
         self._depth = 0
         self._count = 0
         self._sent: list[Sent] = []
+        # Boundary activations' (shape, dtype) by the batch shapes that make them: what this rank
+        # received (from rank - 1) and sent (to rank + 1); the two sides of a link keep the same.
+        self._in_shapes: dict[tuple, tuple] = {}
+        self._out_shapes: dict[tuple, tuple] = {}
         self._bytes = 0
 
     def describe(self) -> str | None:
@@ -226,8 +230,12 @@ class Pipeline(Strategy):
         m, p, r = len(every), self.size, self.rank
         waited = 0.0
         inputs: dict[int, object] = {}
+        ahead: dict[int, tuple] = {}  # activations' receives posted before their forward
         outputs: dict[int, tuple[tuple[int, ...], str, np.ndarray, Sent]] = {}  # the gradient's receive, posted
         weights = self._run_weights()
+
+        def expect(j: int) -> tuple:
+            return self._expect(every[j], r - 1, 3 * j, f"activation of micro-batch {j} from rank {r - 1}")
 
         def forward(j: int) -> None:
             nonlocal waited
@@ -236,13 +244,17 @@ class Pipeline(Strategy):
                 x = self.stage.input_of(batch)
             else:
                 t0 = time.perf_counter()
-                x = self._recv_array(r - 1, 3 * j, f"activation of micro-batch {j} from rank {r - 1}")
+                x = self._take(ahead.pop(j) if j in ahead else expect(j))
                 waited += time.perf_counter() - t0
+                # The next activation's receive is posted now, where its shape is known already:
+                # it may land while this micro-batch computes.
+                if j + 1 < m and self._batch_key(every[j + 1]) in self._in_shapes:
+                    ahead[j + 1] = expect(j + 1)
             inputs[j] = x
             if not self.stage.is_last:
                 out = self.stage.forward(weights, x, batch)
                 shape, dtype = tuple(out.shape), self.stage.dtype_name(out)
-                self._send_array(out, r + 1, 3 * j, f"activation of micro-batch {j} to rank {r + 1}")
+                self._send_array(out, batch, r + 1, 3 * j, f"activation of micro-batch {j} to rank {r + 1}")
                 # Its gradient's receive is posted now: it may land while later micro-batches compute.
                 buf = np.empty(math.prod(shape), self.stage.wire_dtype(dtype))
                 outputs[j] = (shape, dtype, buf, self.transport.post_recv(
@@ -278,21 +290,50 @@ class Pipeline(Strategy):
         self._sent = []
         return waited + time.perf_counter() - t0
 
-    def _send_array(self, a, to: int, tag: int, what: str) -> None:
+    @staticmethod
+    def _batch_key(batch: Batch) -> tuple:
+        """What fixes a boundary activation's shape: the batch's arrays' shapes and dtypes."""
+
+        def key(x):
+            if isinstance(x, dict):
+                return tuple((k, key(v)) for k, v in sorted(x.items()))
+            if isinstance(x, list | tuple):
+                return tuple(key(v) for v in x)
+            shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+            return (tuple(shape), str(dtype)) if shape is not None else type(x).__name__
+
+        return key(batch.data)
+
+    def _send_array(self, a, batch: Batch, to: int, tag: int, what: str) -> None:
+        """`a` to rank `to`; first a header with its shape and dtype, unless a batch of the same
+        shapes went before (the receiver knows it then, and posts its receive early)."""
         shape, dtype = tuple(a.shape), self.stage.dtype_name(a)
-        header = np.zeros(HEADER, np.int64)
-        header[:2 + len(shape)] = [DTYPES.index(dtype), len(shape), *shape]
-        self._sent.append(self.transport.send(header, to, tag, what))
+        key = self._batch_key(batch)
+        if key not in self._out_shapes:
+            header = np.zeros(HEADER, np.int64)
+            header[:2 + len(shape)] = [DTYPES.index(dtype), len(shape), *shape]
+            self._sent.append(self.transport.send(header, to, tag, what))
+            self._out_shapes[key] = (shape, dtype)
         self._sent.append(self.transport.send(self.stage.to_numpy(a), to, tag + 1, what))
         self._bytes += a.nbytes
 
-    def _recv_array(self, source: int, tag: int, what: str):
-        header = np.empty(HEADER, np.int64)
-        self.transport.recv(header, source, tag, what)
-        dtype, ndim = DTYPES[int(header[0])], int(header[1])
-        shape = tuple(int(s) for s in header[2:2 + ndim])
+    def _expect(self, batch: Batch, source: int, tag: int, what: str) -> tuple:
+        """The receive of `batch`'s activation from `source`, posted: its header first (waited
+        for) when no batch of the same shapes came before."""
+        key = self._batch_key(batch)
+        if key not in self._in_shapes:
+            header = np.empty(HEADER, np.int64)
+            self.transport.recv(header, source, tag, what)
+            ndim = int(header[1])
+            self._in_shapes[key] = (tuple(int(s) for s in header[2:2 + ndim]), DTYPES[int(header[0])])
+        shape, dtype = self._in_shapes[key]
         buf = np.empty(math.prod(shape), self.stage.wire_dtype(dtype))
-        self.transport.recv(buf, source, tag + 1, what)
+        return shape, dtype, buf, self.transport.post_recv(buf, source, tag + 1, what)
+
+    def _take(self, expected: tuple):
+        """A posted activation receive, waited for, as the engine's array."""
+        shape, dtype, buf, posted = expected
+        posted.wait()
         return self.stage.from_numpy(buf, shape, dtype)
 
     # -- the update ----------------------------------------------------------------------
@@ -374,11 +415,11 @@ class Pipeline(Strategy):
         losses, found = [], MetricSums()
         for j, batch in enumerate(every):
             x = self.stage.input_of(batch) if self.stage.is_first else \
-                self._recv_array(r - 1, 3 * j, f"evaluation activation {j} from rank {r - 1}")
+                self._take(self._expect(batch, r - 1, 3 * j, f"evaluation activation {j} from rank {r - 1}"))
             if self.stage.is_last:
                 losses.append((self.stage.forward_loss(weights, x, batch, found), int(batch.count)))
             else:
-                self._send_array(self.stage.forward_eval(weights, x, batch), r + 1, 3 * j,
+                self._send_array(self.stage.forward_eval(weights, x, batch), batch, r + 1, 3 * j,
                                  f"evaluation activation {j} to rank {r + 1}")
         wait_sent(self._sent)
         self._sent, self._bytes = [], 0
