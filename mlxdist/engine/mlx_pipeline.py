@@ -105,9 +105,7 @@ class MlxStage:
         self.model.update(tree_unflatten([(n, _NOTHING) for n in self.names]))
 
     def _loss(self, weights: list[mx.array], x: mx.array, data: Any) -> tuple[mx.array, dict, dict]:
-        out = self._run(weights, x)
-        if out.dtype != mx.float32:
-            out = out.astype(mx.float32)
+        out = self._run(weights, x)  # in the compute dtype, as the engine's loss sees the model's output
         loss, metrics = split_loss(self.task_loss(Output(self.model, out), data), self.task_name)
         totals = {n: mx.array(t, mx.float32) for n, (t, _) in metrics.items()}
         counts = {n: mx.array(c, mx.float32) for n, (_, c) in metrics.items() if c is not None}
