@@ -3,6 +3,7 @@ cluster for a test module."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,6 +70,25 @@ def logged_steps(run_dir: Path) -> list[dict]:
     if not log.exists():
         return []
     return [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "step"]
+
+
+@contextlib.contextmanager
+def training(args: list[str], np_: int, run_dir: Path, steps: int, timeout: float = 120):
+    """A real run (under mpirun when `np_`), handed over once rank 0 logged `steps` steps; killed
+    on the way out if it is still running."""
+    proc = subprocess.Popen(train_command(args, np_), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env())
+    try:
+        deadline = time.monotonic() + timeout
+        while len(logged_steps(run_dir)) < steps:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, f"no training progress within {timeout:g} s"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def stop_with_sigterm_after(args: list[str], run_dir: Path, step: int, np_: int = 0) -> tuple[int, str]:

@@ -2,7 +2,8 @@
 real ranks; a pipeline of 2 and 3 ranks (several cuts, unequal micro-batch counts, as
 many micro-batches as stages) equals one process on the same micro-batches; its checkpoint is data
 parallel's (one process and `generate` load it; it resumes on another cut, another number of
-ranks, or one process, exactly); the cut by speed and memory; refusals in one line.
+ranks, or one process, exactly); a stage killed, stopped by Ctrl-C or frozen mid-run; the cut by
+speed and memory; refusals in one line.
 
 The reference runs one process with micro-batches of one sample, and every pipeline run deals
 the same samples in micro-batches of one, so the sums are added in the same order: what differs
@@ -21,12 +22,11 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST, ROOT, env, logged_steps, mpirun_path, run_train, train_command
+from helpers import FAST, ROOT, env, logged_steps, mpirun_path, run_train, training
 
 from mlxdist.config import ConfigError
 from mlxdist.control.pipeline_cut import cut_stages, parse_cut, stage_time
@@ -307,23 +307,14 @@ def test_a_frozen_stage_is_named_by_its_neighbours(tmp_path):
 
     args = [*FAST, "train.steps=100000", "train.batch_size=1", "checkpoint.every=0", "dist.sync_weights_every=0",
             "dist.mode=pipeline", f"dist.stall_timeout_s={STALL_S}", f"train.out_dir={tmp_path}"]
-    proc = subprocess.Popen(train_command(args, 3), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env())
     pids: dict[int, int] = {}
     try:
-        deadline = time.monotonic() + 120
-        while len(logged_steps(tmp_path)) < 3:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no training progress within 120 s"
-            time.sleep(0.1)
-        pids = _rank_pids(proc.pid, 3)
-        os.kill(pids[1], signal.SIGSTOP)
-        _, err = proc.communicate(timeout=STALL_S * 6 + 30)
+        with training(args, 3, tmp_path, 3) as proc:
+            pids = _rank_pids(proc.pid, 3)
+            os.kill(pids[1], signal.SIGSTOP)
+            _, err = proc.communicate(timeout=STALL_S * 6 + 30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in pids.values():
+        for pid in pids.values():  # SIGKILL ends a stopped process too; it may be gone already
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert proc.returncode != 0, err[-3000:]
@@ -338,6 +329,62 @@ def test_a_frozen_stage_is_named_by_its_neighbours(tmp_path):
                                 r"to take it\))?", what), (r, what)
     lines = [ln for ln in err.splitlines() if re.match(r"mlxdist: rank [02] \(", ln) and "stalled" in ln]
     assert all(re.search(rf"rank 1 \({host}\)", ln) for ln in lines), lines
+
+
+KILLABLE = [*FAST, "train.batch_size=1", "train.global_batch=3", "train.grad_clip=0.5", "train.schedule=constant",
+            "train.warmup_steps=0", "checkpoint.every=2", "dist.sync_weights_every=0"]
+
+
+def _stopped_then_resumed(tmp_path: Path, stop) -> tuple[str, int, float, float]:
+    """A 3-rank pipeline stopped by `stop(proc)` once 5 steps are logged; resumed (`--resume
+    auto`) on 2 ranks for two more steps; against one process run that far uninterrupted.
+    Returns the stopped job's stderr, the step it was resumed from and the two differences."""
+    pp = tmp_path / "pp"
+    with training([*KILLABLE, "train.steps=100000", "dist.mode=pipeline", f"train.out_dir={pp}"], 3, pp, 5) as proc:
+        stop(proc)
+        _, err = proc.communicate(timeout=120)
+    latest = ckpt.load_latest(pp / "checkpoints")  # verified against its manifest
+    assert latest is not None, err[-3000:]
+    step = latest.meta.run.step
+    end = step + 2
+    r = _ok(_train([*KILLABLE, f"train.steps={end}", "dist.mode=pipeline", f"train.out_dir={pp}", "--resume", "auto"],
+                   np_=2))
+    assert f"resumed from {pp / 'checkpoints' / f'step_{step:08d}'}" in r.stderr, r.stderr[-2000:]
+    _ok(_train([*KILLABLE, f"train.steps={end}", f"train.out_dir={tmp_path / 'one'}"]))
+    weights, moments = _same_as(tmp_path / "one", pp)
+    return err, step, weights, moments
+
+
+@pytest.mark.cluster
+def test_a_killed_stage_ends_the_job_and_nothing_is_lost(tmp_path):
+    """The middle stage's rank SIGKILLed mid-run: the job ends non-zero with the dead rank
+    named; every checkpoint left verifies, and the latest resumes (on 2 ranks, another cut) to
+    the weights one process reaches uninterrupted."""
+    from test_stall import _rank_pids
+
+    def kill_rank_1(proc):
+        os.kill(_rank_pids(proc.pid, 3)[1], signal.SIGKILL)
+
+    err, step, weights, moments = _stopped_then_resumed(tmp_path, kill_rank_1)
+    assert re.search(r"process rank 1 with PID \d+ on node \S+ exited on\s+signal 9", err), err[-3000:]
+    assert step >= 2
+    for d in sorted((tmp_path / "pp" / "checkpoints").glob("step_*")):
+        assert ckpt.load(d) is not None, d
+    print(f"killed stage: resumed from step {step}; max weight diff {weights:.3g}, moments {moments:.3g}")
+    assert weights <= TOL and moments <= TOL, (weights, moments)
+
+
+@pytest.mark.cluster
+def test_ctrl_c_saves_the_pipeline_at_the_step_it_stops(tmp_path):
+    """Ctrl-C (SIGUSR1 to mpirun, which forwards it) to a 3-rank pipeline: every rank stops after
+    the same step and the whole model is saved there; it resumes exactly."""
+    err, step, weights, moments = _stopped_then_resumed(tmp_path, lambda proc: proc.send_signal(signal.SIGUSR1))
+    last = logged_steps(tmp_path / "pp")
+    assert step >= 5 and f"stopped by signal after step {step}; continue with --resume auto" in err, err[-3000:]
+    assert f"checkpoint: {tmp_path / 'pp' / 'checkpoints' / f'step_{step:08d}'}" in err, err[-3000:]
+    print(f"ctrl-c: saved at step {step}; resumed: max weight diff {weights:.3g}, moments {moments:.3g}")
+    assert weights <= TOL and moments <= TOL, (weights, moments)
+    assert last[-1]["step"] == step + 2
 
 
 # ---------------------------------------------------------------- refusals, one line each

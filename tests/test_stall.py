@@ -8,12 +8,11 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from helpers import FAST, env, logged_steps, train_command
+from helpers import FAST, training
 
 from mlxdist.cluster.heartbeat import Heartbeat
 from mlxdist.cluster.stall import stall_culprits
@@ -201,23 +200,14 @@ def test_a_signal_between_a_line_and_its_newline_does_not_run_two_lines_together
 def test_frozen_rank_is_named_by_the_others(tmp_path, n, frozen, engine):
     args = [*(("--engine", "torch", "--device", "cpu") if engine == "torch" else ()), *FAST, "train.steps=100000", "train.batch_size=2", "checkpoint.every=0",
             "dist.sync_weights_every=0", f"dist.stall_timeout_s={STALL_S}", f"train.out_dir={tmp_path}"]
-    proc = subprocess.Popen(train_command(args, n), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env())
     pids: dict[int, int] = {}
     try:
-        deadline = time.monotonic() + 120
-        while len(logged_steps(tmp_path)) < 3:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no training progress within 120 s"
-            time.sleep(0.1)
-        pids = _rank_pids(proc.pid, n)
-        assert sorted(pids) == list(range(n)), pids
-        os.kill(pids[frozen], signal.SIGSTOP)
-        _, err = proc.communicate(timeout=STALL_S * 6 + 30)
+        with training(args, n, tmp_path, 3) as proc:
+            pids = _rank_pids(proc.pid, n)
+            assert sorted(pids) == list(range(n)), pids
+            os.kill(pids[frozen], signal.SIGSTOP)
+            _, err = proc.communicate(timeout=STALL_S * 6 + 30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
         for pid in pids.values():  # SIGKILL ends a stopped process too; it may be gone already
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
