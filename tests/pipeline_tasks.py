@@ -4,6 +4,7 @@ directory (the working directory of those runs)."""
 from __future__ import annotations
 
 import numpy as np
+from user_tasks import mlx_staged_mlp
 
 import mlxdist
 
@@ -27,30 +28,7 @@ class PoisonedRegression:
 
 
 def staged_poisoned(n: int = 8, bad: int = 5) -> mlxdist.Task:
-    """A three-stage MLP (each stage one Linear) on `PoisonedRegression`."""
-
-    def build(ctx):
-        import mlx.nn as nn
-
-        class Staged(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inp, self.mid, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
-
-            def __call__(self, x):
-                for _, run in self.stages():
-                    x = run(x)
-                return x
-
-            def stages(self):
-                return [(["inp.weight", "inp.bias"], lambda x: nn.relu(self.inp(x))),
-                        (["mid.weight", "mid.bias"], lambda h: nn.relu(self.mid(h))),
-                        (["out.weight", "out.bias"], self.out)]
-
-        return Staged()
-
-    def loss(model, batch):
-        return ((model(batch["x"]) - batch["y"]) ** 2).sum()
-
-    return mlxdist.Task(build=build, loss=loss, dataset=PoisonedRegression(n, bad),
-                        eval_dataset=PoisonedRegression(16, -1, seed=1))
+    """user_tasks' three-stage MLP on `PoisonedRegression`."""
+    task = mlx_staged_mlp()
+    task.dataset, task.eval_dataset = PoisonedRegression(n, bad), PoisonedRegression(16, -1, seed=1)
+    return task
