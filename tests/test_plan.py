@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -267,3 +268,48 @@ def test_cli_task_counts_parameters_and_asks_for_activations(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "n/a" not in out and "activations 0.01 GiB/sample (given)" in out
     assert "163.8" in out  # 16 samples x 0.01 GiB, in MiB (budgets under 1 GiB)
+
+
+def test_step_prediction_follows_each_modes_exchange_and_the_pipelines_schedule():
+    """Two ranks of 1 MFLOP/s, 2 samples of 10 tokens each, micro-batches of one: data parallel
+    and ZeRO-1/2 move 2 (p-1)/p of 4 bytes a parameter, ZeRO-3 3 (p-1)/p; the pipeline runs 4
+    micro-batches in 5 slots of its slowest stage (900 elements), a boundary activation (10 x 4
+    floats) crossing once each way per micro-batch, only the fill and drain not hidden."""
+    from mlxdist.control.mode_time import predict
+
+    def at(bps):
+        return {t.mode: t for t in predict(1000, [100, 800, 100], [(0, 2), (2, 3)], [2, 2], [1, 1], 10, 4, bps,
+                                           [1e6, 1e6])}
+
+    t = at(8e6)  # 1 MB/s
+    assert t["data parallel"].compute_s == pytest.approx(6 * 1000 * 20 / 1e6)
+    assert t["data parallel"].exchange_bytes == t["ZeRO-1/2"].exchange_bytes == pytest.approx(4000)
+    assert t["ZeRO-3"].exchange_s == pytest.approx(6000 / 1e6)
+    assert t["pipeline"].compute_s == pytest.approx(5 * 6 * 900 * 10 / 1e6)
+    assert t["pipeline"].exchange_s == pytest.approx(2 * 160 / 1e6)
+    assert t["pipeline"].exchange_bytes == pytest.approx(2 * 4 * 160)
+    slow = at(8e3)  # 1 kB/s: a hop (0.16 s) outlasts the slowest stage (0.054 s), so it sets the slot
+    assert slow["pipeline"].compute_s == pytest.approx(5 * 2 * 0.16)
+
+
+def test_cli_says_which_mode_to_use_over_the_link(capsys):
+    """A Studio and a MacBook at half its FLOP/s, 1B model: over 1 Gbit/s the pipeline (cut by
+    the FLOP/s, and the nodes: speed to set said) is predicted many times faster than ZeRO-3;
+    on equal Macs over a link so fast the exchange costs nothing, the pipeline's fill and drain
+    (2 micro-batches in 3 slots) lose to ZeRO-1/2. Without --tflops: each mode's bytes a step."""
+    base = ["--hosts", "studio=128GB,macbook=16GB", "model.preset=1b"]
+    assert main([*base, "--tflops", "10,5"]) == 0
+    out = capsys.readouterr().out
+    assert "use: pipeline" in out and "data parallel" in out and "does not fit" in out, out
+    zero3 = float(re.search(r"ZeRO-3 (\d+\.\d+)x as long", out).group(1))
+    assert zero3 > 5, out
+    assert "rank 0 stages 0-15, rank 1 stages 16-23; set nodes: {HOST: {speed: ...}} to 1, 0.5" in out, out
+    assert main([*base, "--tflops", "10", "--link", "1tbit"]) == 0
+    assert "use: ZeRO-1/2 (the others that fit take" in capsys.readouterr().out
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"exchange a step over the busiest link at 1gbit: data parallel \d+ MB .* pipeline [\d.]+ MB", out)
+    assert main([*base, "--link", "fast"]) == 2
+    assert "--link: cannot read 'fast' as a link rate" in capsys.readouterr().err
+    assert main([*base, "--tflops", "10,5,3"]) == 2
+    assert "--tflops=10,5,3: needs one positive number, or 2 (one per rank)" in capsys.readouterr().err

@@ -1,7 +1,10 @@
 """`python -m mlxdist.plan --config C [--hosts studio=128GB,macbook=16GB | --hostfile H] [k=v ...]`:
 the bytes each rank would hold under every `dist.shard` mode, against each host's budget, and
 the mode `dist.shard=auto` would choose, without training; for the built-in LM on 2+ ranks also
-the cut `dist.mode=pipeline` would make (`control/pipeline_cut.py`: each rank's stages and bytes).
+the cut `dist.mode=pipeline` would make (`control/pipeline_cut.py`: each rank's stages and bytes),
+and what data parallel, ZeRO-1/2, ZeRO-3 and the pipeline move a step over `--link` (default 1gbit);
+with `--tflops` (each Mac's sustained training TFLOP/s, one number or one per rank) their predicted
+step (`control/mode_time.py`) and which to use.
 
 Hosts, one rank each and in rank order: `--hosts NAME=SIZE,...`; else the hostfile's hosts
 (`slots=N`: N ranks sharing that host's memory), sized by `--memory` (`SIZE` for every host, or
@@ -26,7 +29,8 @@ from collections.abc import Sequence
 
 from ..config import Config, ConfigError, load_config
 from ..control.memory_plan import GIB, lm_facts, plan
-from ..control.pipeline_cut import cut_lines, lm_stage_elements
+from ..control.mode_time import advice_lines, parse_link, parse_tflops, predict
+from ..control.pipeline_cut import cut_lines, cut_stages, lm_stage_elements, stage_loads
 from ..engine.registry import ENGINES, engine_spec
 from ..optim import make_optimizer
 from ..sync.strategy import memory_lines, mode_strategy
@@ -140,6 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--memory", help="with --hostfile: SIZE for every host, or NAME=SIZE,...")
     p.add_argument("--activation-gb", type=float, default=None,
                    help="activation memory per sample in GiB (a task's, or a measured one for the LM)")
+    p.add_argument("--link", default="1gbit", help="the link between the Macs (1gbit, 100mbit, 40gbit): what the "
+                   "exchange of each mode costs a step")
+    p.add_argument("--tflops", help="each Mac's sustained training TFLOP/s (one number, or one per rank): predicts "
+                   "data parallel's, ZeRO-3's and the pipeline's step and says which to use")
     p.add_argument("--engine", choices=ENGINES, default="mlx", help="a task's model is built with it")
     p.add_argument("overrides", nargs="*", help="key=value config overrides (model.preset=1b data.seq_len=2048)")
     args = p.parse_intermixed_args(argv)
@@ -165,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             act, what = int(args.activation_gb * GIB), what + f"; activations {args.activation_gb:g} GiB/sample (given)"
         elif act is not None:
             what += f"; activations ~{act / 2**20:.0f} MiB/sample (estimated)"
+        link_bps = parse_link(args.link)
+        tflops = parse_tflops(args.tflops, len(hosts)) if args.tflops else None
         facts = lm_facts(cfg) if args.activation_gb is None else None
         result = plan(cfg, hosts, n_params, act, memory=memory_lines(), gather_params=unit,
                       staged_act_per_sample=facts.staged_activation_bytes_per_sample if facts else None,
@@ -177,9 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     elements = lm_stage_elements(cfg)
     if elements is not None and len(hosts) > 1:
-        for line in cut_lines(elements, make_optimizer(cfg.train.optimizer, cfg.train).state_bytes,
-                              [h for h, _ in hosts], [r.budget for r in result.ranks],
-                              [cfg.node_for(h, i).speed for i, (h, _) in enumerate(hosts)]):
+        speeds = [cfg.node_for(h, i).speed for i, (h, _) in enumerate(hosts)]
+        state_bytes = make_optimizer(cfg.train.optimizer, cfg.train).state_bytes
+        for line in cut_lines(elements, state_bytes, [h for h, _ in hosts], [r.budget for r in result.ranks], speeds):
+            print(line)
+        for line in _mode_lines(cfg, result, elements, state_bytes, n_params, hosts, speeds, link_bps, tflops,
+                                args.link):
             print(line)
     if result.choice is None:
         print(f"error: {result.no_fit_line()}", file=sys.stderr)
@@ -188,6 +201,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.dist.shard != "auto" and result.problem(cfg.dist.shard):
         print(f"warning: dist.shard={cfg.dist.shard} as configured does not fit: {result.problem(cfg.dist.shard)}")
     return 0
+
+
+def _mode_lines(cfg: Config, result, elements: list[int], state_bytes: int, n_params: int,
+                hosts: list[tuple[str, int]], speeds: list[float], link_bps: float, tflops: list[float] | None,
+                link: str) -> list[str]:
+    """Data parallel, ZeRO-1/2, ZeRO-3 and the pipeline on these hosts over `link`: each one's bytes a step,
+    and with `tflops` the predicted step and which to use."""
+    from ..models.presets import resolve
+
+    samples = [cfg.node_for(h, i).batch_size for i, (h, _) in enumerate(hosts)]
+    flops = [t * 1e12 for t in tflops] if tflops else [s * 1e12 for s in speeds]
+    if tflops and len(set(tflops)) > 1 and len(set(speeds)) == 1:
+        speeds = [t / max(tflops) for t in tflops]  # the cut a run gets with nodes: speed set so
+    costs, nbytes = stage_loads(elements, state_bytes)
+    try:
+        cuts = cut_stages(costs, nbytes, speeds, [r.budget for r in result.ranks])
+    except ConfigError:
+        cuts = None
+    times = predict(n_params, elements, cuts or [(0, len(elements))] * len(hosts), samples,
+                    [r.micro_batch for r in result.ranks], cfg.data.seq_len, resolve(cfg.model).dim, link_bps, flops)
+    fits = {"data parallel": result.problem("none") is None,
+            "ZeRO-1/2": result.problem("optimizer") is None or result.problem("gradients") is None,
+            "ZeRO-3": result.problem("weights") is None, "pipeline": cuts is not None}
+    if tflops:
+        lines = advice_lines(times, fits, link)
+        if cuts is not None and speeds != [cfg.node_for(h, i).speed for i, (h, _) in enumerate(hosts)]:
+            lines.append("  (the pipeline cut by --tflops: " + ", ".join(
+                f"rank {r} stages {a}-{b - 1}" for r, (a, b) in enumerate(cuts)) + "; set nodes: {HOST: {speed: ...}} "
+                f"to {', '.join(f'{v:.2g}' for v in speeds)} so the run cuts so)")
+        return lines
+    moved = ", ".join(f"{t.mode} {t.exchange_bytes / 1e6:.4g} MB ({t.exchange_bytes * 8 / link_bps:.3g} s)"
+                      for t in times)
+    return [f"exchange a step over the busiest link at {link}: {moved}; give --tflops (each Mac's training "
+            "TFLOP/s) to predict each mode's step and pick one"]
 
 
 if __name__ == "__main__":
