@@ -390,9 +390,6 @@ def test_ctrl_c_saves_the_pipeline_at_the_step_it_stops(tmp_path):
 # ---------------------------------------------------------------- refusals, one line each
 TASK = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "train.steps=1"]
 REFUSALS = [
-    ([*FAST, "--engine", "torch", "--device", "cpu"], 1,
-     "dist.mode=pipeline runs on the MLX engine only for now (the torch engine has no pipeline stages yet): use "
-     "--engine mlx"),
     ([*TASK, "task.factory=user_tasks:mlx_mlp"], 1, "dist.mode=pipeline cuts the model's stages, but Sequential has "
                                                     "no stages()"),
     ([*FAST, "dist.shard=weights"], 1, "dist.shard=weights shards data parallel's optimizer; dist.mode=pipeline keeps "
@@ -404,7 +401,7 @@ REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize("args, n, line", REFUSALS, ids=["torch", "no-stages", "shard", "cut", "too-many-ranks"])
+@pytest.mark.parametrize("args, n, line", REFUSALS, ids=["no-stages", "shard", "cut", "too-many-ranks"])
 def test_refusals_name_the_key_and_what_to_do(tmp_path, args, n, line):
     r = _train([*args, "train.steps=1", "dist.mode=pipeline", f"train.out_dir={tmp_path}"], np_=n if n > 1 else 0)
     assert r.returncode != 0

@@ -57,7 +57,8 @@ ENGINES: dict[str, EngineSpec] = {
         adopt="mlxdist.models.build:adopt_torch", seed="mlxdist.engine.torch_engine:seed",
         on_cpu="mlxdist.engine.torch_engine:on_cpu", reducer="mlxdist.sync.torch_grad:TorchGradSync.configured",
         arrays="mlxdist.sync.compressed:TorchArrays", model_files="mlxdist.engine.model_files:TorchModelFiles",
-        generator="transformers", backends=("mpi4py",), sync_batchnorm=True),
+        generator="transformers", backends=("mpi4py",), sync_batchnorm=True,
+        pipeline="mlxdist.engine.torch_pipeline:TorchStage"),
 }
 
 
