@@ -388,6 +388,6 @@ def load_torch(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.M
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PretrainedError(f"model.path: {path}: transformers cannot load it ({first})") from None
-    from .hf_torch import HFCausalLM
+    from .hf_torch import wrap
 
-    return HFCausalLM(hf).to(device), info
+    return wrap(hf).to(device), info
