@@ -219,7 +219,10 @@ class DistConfig:
     overlap_alpha: float = field(default=0.5, metadata=_range(0.0, 1.0))
     pipeline_cut: str = field(default="", metadata=_help(
         "pipeline: how many of the model's stages (the built-in LM's embedding, each block, its head) each rank "
-        "runs, in rank order, e.g. 2,4; empty: cut by each rank's memory budget and nodes: speed"))
+        "runs, in rank order, e.g. 2,4; empty: cut by each rank's memory budget and speed"))
+    measure_speed: bool = field(default=True, metadata=_help(
+        "pipeline: time a forward pass on every rank at start and cut by the speeds measured, unless nodes: give "
+        "speeds; false: every rank alike but for nodes: speed"))
 
 
 @_settings

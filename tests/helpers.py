@@ -106,6 +106,20 @@ def stop_with_sigterm_after(args: list[str], run_dir: Path, step: int, np_: int 
     return proc.returncode, err
 
 
+# The rig's compute scale (MLXDIST_RIG_COMPUTE_SCALE) is per host; ranks sharing this one each
+# take their own from a list.
+PER_RANK = ('s=$(echo "$MLXDIST_TEST_SCALES" | cut -d, -f$((OMPI_COMM_WORLD_RANK+1))); '
+            'MLXDIST_RIG_COMPUTE_SCALE=$s exec "$@"')
+
+
+def run_slowed(args: list[str], scales: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The trainer on one rank per entry of `scales` ("1,3": rank 1 computes 3x slower)."""
+    cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", str(len(scales.split(","))),
+           "-x", "PYTHONPATH", "-x", "OPENBLAS_NUM_THREADS", "-x", "MLXDIST_TEST_SCALES", "/bin/sh", "-c", PER_RANK,
+           "sh", sys.executable, "-m", "mlxdist.train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env() | {"MLXDIST_TEST_SCALES": scales})
+
+
 def run_train(args: list[str], np_: int = 0, timeout: float = 300, cwd: Path | None = None,
               extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m mlxdist.train ARGS`, under `mpirun -np N` when N > 0."""

@@ -14,13 +14,13 @@ import json
 import shutil
 import statistics
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
-from helpers import FAST, assert_same_weights, env, final_weights, mpirun_path
+from helpers import FAST, assert_same_weights, final_weights
 from test_diloco import SHAPES, Cluster, RankState, inner_step, make_dl, on_threads, reference
 
 from mlxdist.config import ConfigError, load_config
@@ -141,16 +141,8 @@ BOX_COMMON = [*FAST, "data.seq_len=32", "train.batch_size=2", "dist.mode=diloco"
 # Every rank's compute is stretched (4x and 8x): the sleeps dominate its step, so the 2x
 # between them is what the box sees, whatever else runs on this machine's few cores.
 SCALES = "4,8"
-# The rig's compute scale is per host; these ranks share one, so each takes its own from a list.
-PER_RANK = ('s=$(echo "$MLXDIST_TEST_SCALES" | cut -d, -f$((OMPI_COMM_WORLD_RANK+1))); '
-            'MLXDIST_RIG_COMPUTE_SCALE=$s exec "$@"')
-
-
 def run_slowed(args: list[str], scales: str = SCALES) -> subprocess.CompletedProcess:
-    cmd = [mpirun_path(), "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH",
-           "-x", "OPENBLAS_NUM_THREADS", "-x", "MLXDIST_TEST_SCALES", "/bin/sh", "-c", PER_RANK, "sh",
-           sys.executable, "-m", "mlxdist.train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env() | {"MLXDIST_TEST_SCALES": scales})
+    return helpers.run_slowed(args, scales)
 
 
 def _events(run_dir: Path, kind: str, rank: int = 0) -> list[dict]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FAST, ROOT, env, logged_steps, mpirun_path, run_train, training
+from helpers import FAST, ROOT, env, logged_steps, mpirun_path, run_slowed, run_train, training
 
 from mlxdist.config import ConfigError
 from mlxdist.control.pipeline_cut import cut_stages, parse_cut, stage_time
@@ -264,6 +264,25 @@ def test_a_half_speed_rank_gets_a_third_of_the_stack(tmp_path):
                     "nodes={rank0: {batch_size: 1}, rank1: {batch_size: 1, speed: 0.5}}"], np_=2))
     assert ("12 model stages cut by memory budget and speed (1, 0.5): rank 0 8 stages (0-7), rank 1 4 stages "
             "(8-11)") in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.cluster
+def test_the_cut_follows_speeds_measured_at_start(tmp_path):
+    """Rank 1 computes 3x slower (the rig's compute scale: a slower GPU, CPU free): the forward
+    pass every rank times at start reads it, and the cut gives rank 1 fewer of the 12 stages;
+    with nodes: speeds given nothing is timed."""
+    args = [*FAST, "model.n_layers=10", "train.steps=1", "train.batch_size=1", "dist.mode=pipeline"]
+    r = run_slowed([*args, f"train.out_dir={tmp_path / 'measured'}"], "1,3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = re.search(r"speeds measured at start \(a forward pass of one sample\): rank 0 \(\S+\) ([\d.]+) \([\d.]+ ms\), "
+                  r"rank 1 \(\S+\) ([\d.]+) ", r.stderr)
+    assert m and float(m.group(1)) == 1 and float(m.group(2)) < 0.6, r.stderr[-3000:]
+    cut = re.search(r"cut by memory budget and speed \(1, [\d.]+\): rank 0 (\d+) stages \(0-\d+\), rank 1 (\d+) stages",
+                    r.stderr)
+    assert cut and int(cut.group(2)) < int(cut.group(1)), r.stderr[-3000:]
+    r = run_slowed([*args, f"train.out_dir={tmp_path / 'given'}", "nodes={rank1: {batch_size: 1, speed: 0.5}}"], "1,3")
+    assert r.returncode == 0 and "speeds measured" not in r.stderr, r.stderr[-3000:]
+    assert "rank 0 8 stages (0-7), rank 1 4 stages (8-11)" in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.cluster

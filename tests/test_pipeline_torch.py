@@ -126,8 +126,7 @@ def test_a_transformers_llama_in_a_pipeline_and_zero3_equals_one_process(tmp_pat
             "train.global_batch=4"]
     _ok([*args, f"train.out_dir={tmp_path / 'one'}"])
     r = _ok([*args, "dist.mode=pipeline", f"train.out_dir={tmp_path / 'pp'}"], 2)
-    assert "pipeline parallelism: 4 model stages cut by memory budget: rank 0 2 stages (0-1), rank 1 2 stages (2-3)" \
-        in r.stderr, r.stderr[-2000:]
+    assert "pipeline parallelism: 4 model stages cut by memory budget" in r.stderr, r.stderr[-2000:]
     _ok([*args, "dist.shard=weights", f"train.out_dir={tmp_path / 'z3'}"], 2)
     for run in ("pp", "z3"):
         weights, moments = _same_as(tmp_path / "one", tmp_path / run)

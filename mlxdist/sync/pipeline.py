@@ -84,7 +84,7 @@ def stage_cost_bytes(names: list[list[str]], sizes: dict[str, int], state_bytes:
 def plan_cut(cfg: Config, names: list[list[str]], sizes: dict[str, int], state_bytes: int,
              plan: RunPlan) -> list[tuple[int, int]]:
     """The run's cut: `dist.pipeline_cut` as given, else the slowest stage least for each
-    rank's speed (`nodes:` speed, as the run plan carries it; measured speeds not yet) with each
+    rank's speed (as the run plan carries it: measured at start, or `nodes:` speed) with each
     rank's bytes within its memory budget (`control/pipeline_cut.py`)."""
     if cfg.dist.pipeline_cut:
         return parse_cut(cfg.dist.pipeline_cut, len(names), len(plan.hosts))
@@ -98,6 +98,7 @@ class Pipeline(Strategy):
     redo_after_oom = False  # a rank cannot redo its micro-batches alone: its neighbours wait on them
     ranks_differ = True  # each rank holds different weights: no one model to average (train.ema)
     gradient_wire = "none"  # it sends activations, not gradients
+    speed_weighted = True  # the cut gives a faster rank more stages (RunPlan.speeds)
     title = "pipeline parallelism"
 
     @classmethod

@@ -53,6 +53,8 @@ class Strategy(ABC):
     #                             (its exchange adds payloads on the wire), "none" (it sends no gradients)
     wire_key: str | None = None  # the key that names its own exchange's codec (DiLoCo: dist.outer_wire)
     time_box: bool = False  # it takes dist.sync_every_s (a time box of its local phase)
+    speed_weighted: bool = False  # it gives a faster rank more work by RunPlan.speeds (nodes: speed, or
+    #                               measured at start: training/speed_probe.py)
     title: str = ""  # as refusals name it ("DiLoCo"); empty: dist.mode=NAME
 
     @classmethod

@@ -126,6 +126,12 @@ class FaultyEngine:
         self._engine.micro_step(batch)
         self._faults.stretch_compute(time.perf_counter() - t0)  # rig only: a slower GPU, counted as compute
 
+    def eval_loss(self, batch, metrics=None):
+        t0 = time.perf_counter()
+        out = self._engine.eval_loss(batch, metrics)
+        self._faults.stretch_compute(time.perf_counter() - t0)  # the slower GPU evaluates slower too
+        return out
+
     def take_gradients(self):
         got = self._engine.take_gradients()
         if self._faults.take_nan(self._step()):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ from ..state.checkpointer import (
 )
 from ..sync.batchnorm import install_sync_batchnorm
 from ..sync.shard_plan import optimizer_state_bytes, resolve_shard
-from ..sync.strategy import Strategy, make_strategy, share_state
+from ..sync.strategy import Strategy, make_strategy, mode_strategy, share_state
 from ..tasks import Batch, Task
 from ..tasks.fingerprint import check_same, fingerprint
 from ..tasks.load import check_keys_apply, resolve_task
@@ -60,6 +61,7 @@ from .ema import EMA
 from .evaluation import Evaluator
 from .hooks import HookError, Hooks
 from .next_steps import next_line, spelling
+from .speed_probe import measure_speeds
 from .states import ClusterInfo, ModelState, TaskState
 from .wiring import make_data_plane, make_reducer, make_world
 
@@ -200,8 +202,19 @@ class Trainer:
         limits = w.allgather(int(engine.memory.reading().limit))
         shard, lines = resolve_shard(cfg, w, engine, self.hosts, limits, self._builtin_lm)
         vocab = lm_vocab_size(cfg, engine.capabilities.base) if self._builtin_lm else None
-        return build_run_plan(cfg, w.rank, nodes, self.hosts, limits, shard=shard,
+        plan = build_run_plan(cfg, w.rank, nodes, self.hosts, limits, shard=shard,
                               n_trained=int(sum(engine.gradient_sizes())), vocab_size=vocab, notes=lines)
+        return self._measure_speeds(plan, nodes)
+
+    def _measure_speeds(self, plan: RunPlan, nodes: list[NodeConfig]) -> RunPlan:
+        """A strategy that gives a faster rank more work gets the ranks' speeds measured
+        (`training/speed_probe.py`), unless `nodes:` give speeds or dist.measure_speed is off."""
+        cfg, w = self.cfg, self.world
+        if (w.size < 2 or not mode_strategy(cfg).speed_weighted or not cfg.dist.measure_speed
+                or any(n.speed != 1.0 for n in nodes)):
+            return plan
+        speeds, line = measure_speeds(w, self.engine, self.task.make_batch(self.task.dataset, [0]), self.hosts)
+        return replace(plan, speeds=tuple(speeds), notes=(*plan.notes, line))
 
     def _make_feed(self) -> StepFeed:
         data = self.task.dataset
