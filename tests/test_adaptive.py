@@ -2,6 +2,7 @@
 out-of-memory retry, and the health monitor's skip and rollback."""
 
 import json
+import re
 import subprocess
 import time
 
@@ -47,6 +48,23 @@ def test_lower_memory_limit_shrinks_batch_keeps_global_batch(tmp_path):
     assert "micro-batch 16 -> " in err and "memory" in err
     accum = _events(tmp_path, "accumulation")
     assert accum and max(accum[-1]["accum"]) >= 2, "smaller micro-batches must raise accumulation"
+
+
+def test_out_of_memory_where_a_rank_cannot_redo_alone_is_one_line_and_the_checkpoint_stays(tmp_path):
+    """Under ZeRO-3 (as in a pipeline) the other ranks are inside the step's exchanges, so a
+    rank cannot redo its share smaller: the job ends with one line naming the rank, the step and
+    what to change, and the checkpoint before it loads."""
+    from mlxdist.state import checkpoint as ckpt
+
+    r = run_train([*FAST, "train.steps=6", "train.batch_size=1", "checkpoint.every=2", "dist.shard=weights",
+                   f"train.out_dir={tmp_path}"], np_=2, extra_env={"MLXDIST_INJECT_OOM": "1:3"})
+    assert r.returncode != 0
+    line = ("rank 1 (.+?): out of memory in step 4 \\(injected out-of-memory \\(MLXDIST_INJECT_OOM\\)\\); dist.shard=weights "
+            "cannot redo a step smaller on one rank: lower this host's micro-batch \\(train.batch_size or nodes: "
+            "batch_size\\) or its control.memory_target, then --resume auto \\(the last checkpoint is kept\\)")
+    assert re.search(line, r.stderr), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert ckpt.load_latest(tmp_path / "checkpoints").meta.run.step == 2
 
 
 def test_out_of_memory_retries_step_with_smaller_batch(tmp_path):

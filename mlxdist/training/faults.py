@@ -120,11 +120,24 @@ class FaultyEngine:
         return getattr(self._engine, name)
 
     def micro_step(self, batch) -> None:
-        if self._faults.take_oom(self._rank, self._step()):
-            raise MemoryError("injected out-of-memory (MLXDIST_INJECT_OOM)")
+        self._maybe_oom()
         t0 = time.perf_counter()
         self._engine.micro_step(batch)
         self._faults.stretch_compute(time.perf_counter() - t0)  # rig only: a slower GPU, counted as compute
+
+    def _maybe_oom(self) -> None:
+        if self._faults.take_oom(self._rank, self._step()):
+            raise MemoryError("injected out-of-memory (MLXDIST_INJECT_OOM)")
+
+    def shard_ops(self):
+        """The engine's shard operations, run through this wrapper (ZeRO-3's staged step too)."""
+        ops = self._engine.shard_ops()
+        ops.engine = self
+        return ops
+
+    def staged_step(self, batch, fetch, hand) -> None:
+        self._maybe_oom()
+        self._engine.staged_step(batch, fetch, hand)
 
     def eval_loss(self, batch, metrics=None):
         t0 = time.perf_counter()

@@ -314,9 +314,20 @@ class Trainer:
                 self._units = sum(b.count for b in batches)
                 return time.perf_counter() - t0 - waited
             except (MemoryError, RuntimeError) as e:
-                if not self.sync.redo_after_oom or (not isinstance(e, MemoryError) and not _looks_like_oom(e)):
+                if not isinstance(e, MemoryError) and not _looks_like_oom(e):
                     raise
+                if not self.sync.redo_after_oom:
+                    raise RuntimeError(self._no_redo_line(e)) from None
                 batches = self._shrink_after_oom(e, batches)
+
+    def _no_redo_line(self, error: BaseException) -> str:
+        """Out of memory under a strategy whose ranks cannot redo a step alone (ZeRO-3, a
+        pipeline): what ran out, and what the next start can change."""
+        shard = self.run_plan.shard
+        title = self.sync.title or (f"dist.shard={shard}" if shard != "none" else f"dist.mode={self.cfg.dist.mode}")
+        return (f"{self.world.label}: out of memory in step {self.state.step + 1} ({str(error).strip() or 'MemoryError'}); "
+                f"{title} cannot redo a step smaller on one rank: lower this host's micro-batch (train.batch_size or "
+                f"nodes: batch_size) or its control.memory_target, then --resume auto (the last checkpoint is kept)")
 
     def optimizer_step(self) -> tuple[float, StepStats]:
         """The sync strategy's exchange and the update (data parallel: every rank sees the same
