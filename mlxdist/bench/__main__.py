@@ -26,6 +26,7 @@ BENCHMARKS = {
     "compiled": ("compiled", "main", False, "your MLX loop: the step compiled with its gradient sum inside vs uncompiled"),
     "cluster": ("cluster", "main", False, "2 hosts, one at half speed, shaped links: ours vs mlx-lm LoRA and DDP"),
     "checkpoint-io": ("checkpoint_io", "main", False, "checkpoint write/read: plain safetensors vs zstd"),
+    "pipeline": ("pipeline", "main", False, "a model no host holds: pipeline vs ZeRO-3 on shaped links, equal and half-speed hosts"),
     "yourloop": ("yourloop", "main", False, "a DDP-style script on mlxdist.torch vs DDP+gloo, quiet and busy; CPU while waiting"),
 }
 

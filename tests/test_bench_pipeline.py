@@ -1,0 +1,57 @@
+"""`python -m mlxdist.bench pipeline` at its smallest (tiny LM, one round, 1 Gbit/s): on two
+namespace hosts, equal and one at half speed, or, without namespaces, on 2 ranks of this host
+(equal only). The report's numbers are real, the cuts are the ones asked for, and the
+pipeline's losses equal ZeRO-3's on the same samples."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, env
+
+from mlxdist.rig.simcluster import available
+
+pytestmark = pytest.mark.cluster
+
+
+def test_smallest_bench_reports_every_run_and_matches_zero3(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    hosts = available()[0]
+    where = (["--simcluster", "2", "--name", "mlxppt", "--subnet", "10.79.29", "--setups", "equal,slow"] if hosts
+             else ["--simcluster", "0", "--ranks", "2", "--setups", "equal"])
+    r = subprocess.run([sys.executable, "-m", "mlxdist.bench", "pipeline", *where, "--preset", "tiny", "--rounds", "1",
+                        "--rates", "1gbit", "--steps", "4", "--skip", "1", "--seq-len", "16", "--global-batch", "8",
+                        "--json", str(out)], capture_output=True, text=True, env=env(), cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    res = json.loads(out.read_text())
+    # The model does not fit one rank's budget; the pipeline runs 8 micro-batches of one sample.
+    assert res["budget_bytes"] < res["whole_model_bytes"] == 16 * res["n_params"]
+    assert res["micro_batches"] == 8 and math.isclose(res["schedule_bubble"], 1 / 9)
+    rows = {(x["setup"], x["contender"]): x for x in res["runs"]}
+    want = {("equal", "pipeline"), ("equal", "zero3")}
+    if hosts:
+        want |= {("slow", "pipeline"), ("slow", "pipeline-equal"), ("slow", "zero3")}
+    assert set(rows) == want
+    for x in rows.values():
+        assert x["step_s"] > 0 and x["samples_per_s"] > 0 and 0 <= x["idle"] < 1
+        assert len(x["losses"]) == 4 and all(math.isfinite(v) for v in x["losses"])
+        if x["contender"] != "zero3":
+            assert -0.05 < x["bubble"] < 1
+            # same samples, other micro-batching and other sums: fp32 rounding only
+            assert x["loss_vs_zero3"] < 1e-4, x["loss_vs_zero3"]
+            assert x["losses"][-1] < x["losses"][0]
+    assert rows[("equal", "pipeline")]["cut"].startswith("by memory budget: rank 0 3 stages")
+    if hosts:
+        assert rows[("slow", "pipeline-equal")]["cut"].startswith("by dist.pipeline_cut: rank 0 3 "
+                                                                  "stages (0-2), rank 1 3 stages")
+        speed = rows[("slow", "pipeline")]["cut"]
+        assert speed.startswith("by memory budget and speed (1, 0.5): rank 0 4 stages"), speed
+        solo = res["solo_samples_per_s"][0]
+        assert len(solo) == 2 and solo[0] > solo[1] > 0  # the host at 50% of a core is the slower
+        assert 0 < rows[("slow", "pipeline")]["of_ideal"] < 1.2
+    assert "bench pipeline:" in r.stdout and "x ZeRO-3's" in r.stdout
+    assert ("of the ideal" in r.stdout) == hosts
