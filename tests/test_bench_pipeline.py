@@ -52,6 +52,6 @@ def test_smallest_bench_reports_every_run_and_matches_zero3(tmp_path) -> None:
         assert speed.startswith("by memory budget and speed (1, 0.5): rank 0 4 stages"), speed
         solo = res["solo_samples_per_s"][0]
         assert len(solo) == 2 and solo[0] > solo[1] > 0  # the host at 50% of a core is the slower
-        assert 0 < rows[("slow", "pipeline")]["of_ideal"] < 1.2
+        assert 0 < rows[("slow", "pipeline")]["of_ideal"] < 2 and 0 < rows[("slow", "pipeline")]["of_nominal_ideal"] < 2
     assert "bench pipeline:" in r.stdout and "x ZeRO-3's" in r.stdout
     assert ("of the ideal" in r.stdout) == hosts
