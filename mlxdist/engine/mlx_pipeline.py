@@ -28,7 +28,7 @@ from mlx.utils import tree_unflatten
 from ..tasks import Batch, sample_seeds_of, tree_map
 from ..tasks.metrics import MetricSums, split_loss
 from .base import check_scalar
-from .staged import Output, model_input
+from .staged import Output, PipelineRun, model_input
 
 _NOTHING = mx.zeros((0,), mx.float32)
 
@@ -41,42 +41,12 @@ def _pairs(totals: dict, counts: dict) -> dict:
     return {n: (t, counts.get(n)) for n, t in totals.items()}
 
 
-def stage_names(model: Any) -> list[list[str]] | None:
-    """Each of `model.stages()`' parameter names, in order; None for a model without stages."""
-    stages = getattr(model, "stages", None)
-    return None if stages is None else [list(names) for names, _ in stages()]
-
-
-class MlxStage:
-    """Stages [first, last) of the engine's model, run with weights handed in (`names`' order:
-    every parameter the run reads, once, in order of first use)."""
+class MlxStage(PipelineRun):
+    """Stages [first, last) of the engine's model in MLX, run with weights handed in."""
 
     def __init__(self, engine: Any, first: int, last: int):
-        self.model = engine.model
+        super().__init__(engine, first, last)
         self.dtype = engine.compute_dtype
-        self.task_loss, self.task_name = engine.task_loss, engine.task_name
-        stages = self.model.stages()
-        self.count_stages = len(stages)
-        self.first, self.last = first, last
-        self.is_first, self.is_last = first == 0, last == len(stages)
-        self.calls = [call for _, call in stages[first:last]]
-        self.names: list[str] = []
-        for names, _ in stages[first:last]:
-            self.names += [n for n in names if n not in self.names]
-        self._reset()
-
-    # -- sums over the step's micro-batches --------------------------------------------
-    def _reset(self) -> None:
-        self.grads: list[mx.array] | None = None
-        self.loss_sum = 0.0
-        self.metrics = MetricSums()
-
-    def take(self) -> tuple[list[mx.array] | None, float, MetricSums]:
-        """The gradients of the summed loss (None: no micro-batch ran here), loss and metrics
-        (the last run's) since the last take; the sums start afresh."""
-        out = (self.grads, self.loss_sum, self.metrics)
-        self._reset()
-        return out
 
     def _add(self, grads: list[mx.array]) -> None:
         self.grads = list(grads) if self.grads is None else [a + g for a, g in zip(self.grads, grads, strict=True)]
@@ -169,14 +139,6 @@ class MlxStage:
             metrics.add(_pairs(totals, counts), _item)
         return loss.item()
 
-    def forward_eval(self, weights: list[mx.array], x: mx.array, batch: Batch) -> mx.array:
-        """`forward` with the model in eval mode (evaluation's earlier runs)."""
-        self.model.eval()
-        try:
-            return self.forward(weights, x, batch)
-        finally:
-            self.model.train()
-
     # -- arrays across the boundary ------------------------------------------------------
     @staticmethod
     def to_numpy(a: mx.array) -> np.ndarray:
@@ -195,11 +157,6 @@ class MlxStage:
         """`to_numpy`'s inverse."""
         out = mx.array(buf).reshape(shape)
         return out.view(mx.bfloat16) if dtype == "bfloat16" else out
-
-    @staticmethod
-    def wire_dtype(dtype: str) -> np.dtype:
-        """The numpy dtype `to_numpy` gives for an array of dtype `dtype`."""
-        return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
 
     def array(self, a: np.ndarray) -> mx.array:
         return mx.array(a)

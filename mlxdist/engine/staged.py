@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..tasks import Batch, TaskError
+from ..tasks.metrics import MetricSums
 from .base import LocalGradients, Piece
 from .common import decays
 
@@ -142,3 +143,48 @@ class StagedShardOps:
     @property
     def released(self) -> bool:
         return self.engine.released
+
+
+class PipelineRun:
+    """What a pipeline rank's run of stages [first, last) keeps whatever the framework
+    (`mlx_pipeline.MlxStage`, `torch_pipeline.TorchStage` add the math): the run's calls, the
+    parameters it reads (`names`: once each, in order of first use) and the sums of the step's
+    micro-batches, handed over by `take`."""
+
+    def __init__(self, engine: Any, first: int, last: int):
+        self.model = engine.model
+        self.task_loss, self.task_name = engine.task_loss, engine.task_name
+        stages = self.model.stages()
+        self.count_stages = len(stages)
+        self.first, self.last = first, last
+        self.is_first, self.is_last = first == 0, last == len(stages)
+        self.calls = [call for _, call in stages[first:last]]
+        self.names: list[str] = []
+        for names, _ in stages[first:last]:
+            self.names += [n for n in names if n not in self.names]
+        self._reset()
+
+    def _reset(self) -> None:
+        self.grads: list | None = None
+        self.loss_sum = 0.0
+        self.metrics = MetricSums()
+
+    def take(self) -> tuple[list | None, float, MetricSums]:
+        """The gradients of the summed loss (None: no micro-batch ran here), loss and metrics
+        (the last run's) since the last take; the sums start afresh."""
+        out = (self.grads, self.loss_sum, self.metrics)
+        self._reset()
+        return out
+
+    def forward_eval(self, weights: list, x: Any, batch: Batch) -> Any:
+        """`forward` with the model in eval mode (evaluation's earlier runs)."""
+        self.model.eval()
+        try:
+            return self.forward(weights, x, batch)
+        finally:
+            self.model.train()
+
+    @staticmethod
+    def wire_dtype(dtype: str) -> np.dtype:
+        """The numpy dtype `to_numpy` gives for an array of dtype `dtype` (bf16 as its 16 bits)."""
+        return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)

@@ -19,41 +19,17 @@ import torch
 from ..tasks import Batch, sample_seeds_of, tree_map
 from ..tasks.metrics import MetricSums, split_loss
 from .base import check_scalar
-from .staged import Output, model_input
+from .staged import Output, PipelineRun, model_input
 from .torch_engine import _float, flipped
 
 
-class TorchStage:
-    """Stages [first, last) of the engine's model, run with weights handed in (`names`' order:
-    every parameter the run reads, once, in order of first use)."""
+class TorchStage(PipelineRun):
+    """Stages [first, last) of the engine's model in torch, run with weights handed in."""
 
     def __init__(self, engine: Any, first: int, last: int):
+        super().__init__(engine, first, last)
         self.engine = engine
-        self.model = engine.model
-        self.task_loss, self.task_name = engine.task_loss, engine.task_name
-        stages = self.model.stages()
-        self.count_stages = len(stages)
-        self.first, self.last = first, last
-        self.is_first, self.is_last = first == 0, last == len(stages)
-        self.calls = [call for _, call in stages[first:last]]
-        self.names: list[str] = []
-        for names, _ in stages[first:last]:
-            self.names += [n for n in names if n not in self.names]
         self._params = [engine._by_name[n] for n in self.names]
-        self._reset()
-
-    # -- sums over the step's micro-batches --------------------------------------------
-    def _reset(self) -> None:
-        self.grads: list[torch.Tensor] | None = None
-        self.loss_sum = 0.0
-        self.metrics = MetricSums()
-
-    def take(self) -> tuple[list[torch.Tensor] | None, float, MetricSums]:
-        """The gradients of the summed loss (None: no micro-batch ran here), loss and metrics
-        (the last run's) since the last take; the sums start afresh."""
-        out = (self.grads, self.loss_sum, self.metrics)
-        self._reset()
-        return out
 
     def _add(self, grads: list[torch.Tensor]) -> None:
         grads = [g.T if flipped(n) else g for n, g in zip(self.names, grads, strict=True)]
@@ -150,14 +126,6 @@ class TorchStage:
             metrics.add(found, _float)
         return float(loss)
 
-    def forward_eval(self, weights: list[torch.Tensor], x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """`forward` with the model in eval mode (evaluation's earlier runs)."""
-        self.model.eval()
-        try:
-            return self.forward(weights, x, batch)
-        finally:
-            self.model.train()
-
     # -- arrays across the boundary ------------------------------------------------------
     @staticmethod
     def to_numpy(a: torch.Tensor) -> np.ndarray:
@@ -179,11 +147,6 @@ class TorchStage:
         else:
             t = torch.from_numpy(buf)
         return t.reshape(shape).to(self.engine.dev)
-
-    @staticmethod
-    def wire_dtype(dtype: str) -> np.dtype:
-        """The numpy dtype `to_numpy` gives for a tensor of dtype `dtype`."""
-        return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
 
     def array(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.engine.dev)
