@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..config import Config
 from ..models.build import BuiltModel, adopt_mlx, build_mlx, built_from_task
 from ..models.presets import ModelArgs
+from ..models.stages import has_stages, model_stages
 from ..models.weights import checksum
 from ..optim import check_state, make_optimizer, mlx_ops
 from ..tasks import Task, TaskContext, TaskError, sample_seeds_of, tree_map
@@ -84,7 +85,7 @@ class MLXEngine(ReleasesWeights):
         self.model_state = MlxModelState(self.model, self._state_arrays)
         self.memory = MLXMemory()
         self.capabilities = Capabilities(task.name, own_optimizer=self.own_optimizer is not None,
-                                         staged=getattr(self.model, "stages", None) is not None,
+                                         staged=has_stages(self.model),
                                          model_summary=built.summary, base_fingerprint=built.fingerprint,
                                          base=built.base, generation=True, shards=True, adapters=True)
 
@@ -213,12 +214,13 @@ class MLXEngine(ReleasesWeights):
 
     # -- dist.shard=weights: the model stage by stage ------------------------------
     def staged_step(self, batch, fetch: Callable[[int], list], hand: Callable[[int, list], None]) -> None:
-        """One micro-batch's forward and backward through `model.stages()`, one stage's weights
-        at a time: `fetch(i)` gives stage i's fp32 weights (in its names' order), `hand(i,
-        grads)` takes their gradients, last stage first. Only the stages' inputs are kept: each
-        block runs forward again inside its backward, as `model.grad_checkpoint_every=1` does.
+        """One micro-batch's forward and backward through the model's stages
+        (`models/stages.py`), one stage's weights at a time: `fetch(i)` gives stage i's fp32
+        weights (in its names' order), `hand(i, grads)` takes their gradients, last stage first.
+        Only the stages' inputs are kept: each block runs forward again inside its backward, as
+        `model.grad_checkpoint_every=1` does.
         Loss, units and metrics add up as `micro_step`'s do."""
-        stages = self.model.stages()
+        stages = model_stages(self.model)
         data = self._arrays(batch.data)
         with sample_seeds_of(batch):
             inputs = [model_input(self.task_loss, self.model, data, self.task_name)]

@@ -1,10 +1,11 @@
 """One pipeline stage's math on the MLX engine (`dist.mode=pipeline`, `sync/pipeline.py`).
 
-A pipeline cuts `model.stages()` (the built-in LM's embedding, each block, its head) into
-contiguous runs, one per rank. This module runs one such run and knows nothing of ranks: the
-strategy hands it the run's weights (it holds them, not the engine), an input, and for backward
-the cotangent of the run's output that came from the next stage; it hands back the output, the
-input's cotangent for the previous stage, and adds the weights' gradients into its own sums.
+A pipeline cuts the model's stages (`models/stages.py`: the built-in LM's embedding, each block,
+its head; an mlx-lm model's the same from its layer list) into contiguous runs, one per rank.
+This module runs one such run and knows nothing of ranks: the strategy hands it the run's
+weights (it holds them, not the engine), an input, and for backward the cotangent of the run's
+output that came from the next stage; it hands back the output, the input's cotangent for the
+previous stage, and adds the weights' gradients into its own sums.
 
 Backward recomputes the run's forward from its kept input (`mx.vjp`), as ZeRO-3's staged step
 does: a stage in flight keeps only its micro-batch's input, so 1F1B's activation memory is about
@@ -12,6 +13,9 @@ the stages in flight times one boundary activation. The last run also computes t
 on the micro-batch (`loss(model, batch)` with the model standing in for what the stages
 computed, as `engine/staged.py`'s `Output`); the first run's input is what the loss feeds the
 model (`model_input`), integer tokens with no cotangent.
+
+A LoRA (QLoRA) run's stages name only their adapters: the frozen base stays inside the module,
+and each rank lets go of the base its run never reads (`keep_frozen`).
 
 Weights are fp32 masters; with `model.dtype` bf16/fp16 a stage computes on a cast copy and the
 cast's gradient brings fp32 gradients back, as the engine's own step does.
@@ -25,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from ..models.stages import keep_frozen
 from ..tasks import Batch, sample_seeds_of, tree_map
 from ..tasks.metrics import MetricSums, split_loss
 from .base import check_scalar
@@ -47,6 +52,7 @@ class MlxStage(PipelineRun):
     def __init__(self, engine: Any, first: int, last: int):
         super().__init__(engine, first, last)
         self.dtype = engine.compute_dtype
+        self.frozen_bytes = keep_frozen(self.model, first, last)  # a LoRA run's base: this run's part only
 
     def _add(self, grads: list[mx.array]) -> None:
         self.grads = list(grads) if self.grads is None else [a + g for a, g in zip(self.grads, grads, strict=True)]
@@ -94,6 +100,9 @@ class MlxStage(PipelineRun):
         added to the sums; returns the input's cotangent (None for integer input)."""
         floating = mx.issubdtype(x.dtype, mx.floating)
         n = len(weights)
+        if not n and not floating:  # a frozen first run (a LoRA run's embedding): nothing to differentiate
+            self._add([])
+            return None
 
         def f(*args):
             return self._run(list(args[:n]), args[n] if floating else x)
@@ -113,8 +122,11 @@ class MlxStage(PipelineRun):
         floating = mx.issubdtype(x.dtype, mx.floating)
         argnums = (0, 1) if floating else 0
         with sample_seeds_of(batch):
-            (loss, totals, counts), grads = mx.value_and_grad(lambda w, h: self._loss(w, h, data),
-                                                              argnums=argnums)(weights, x)
+            if weights or floating:
+                (loss, totals, counts), grads = mx.value_and_grad(lambda w, h: self._loss(w, h, data),
+                                                                  argnums=argnums)(weights, x)
+            else:  # nothing here trains and nothing comes before: the loss alone
+                (loss, totals, counts), grads = self._loss(weights, x, data), []
             mx.eval(loss, totals, counts, grads)
         self._let_go()
         wgrads, back = grads if floating else (grads, None)

@@ -1,11 +1,11 @@
 """A model run stage by stage (`dist.shard=weights`, `sync/fully_sharded.py`), framework-free.
 
-A model that offers `stages()` -> [(parameter names, callable), ...] (the calls, composed, are
-its forward pass) can run one stage's weights at a time. The task's loss still calls the
-model as a whole, so the engines hand it stand-ins: one that only records what the loss feeds
-the model (the first stage's input), one whose call returns what the last stage computed, and
-one whose call runs the stages itself (evaluation: forward only). Each passes any other
-attribute through to the model.
+A model with stages (`models/stages.py`: its own `stages()` -> [(parameter names, callable), ...],
+or derived from an mlx-lm model's layer list; the calls, composed, are its forward pass) can run
+one stage's weights at a time. The task's loss still calls the model as a whole, so the engines
+hand it stand-ins: one that only records what the loss feeds the model (the first stage's
+input), one whose call returns what the last stage computed, and one whose call runs the stages
+itself (evaluation: forward only). Each passes any other attribute through to the model.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..models.stages import frozen_loads, model_stages
 from ..tasks import Batch, TaskError
 from ..tasks.metrics import MetricSums
 from .base import LocalGradients, Piece
@@ -66,7 +67,7 @@ class Staged(_StandIn):
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         self._one_input(args, kwargs)
-        for i, (names, call) in enumerate(self._model.stages()):
+        for i, (names, call) in enumerate(model_stages(self._model)):
             x = self._run(i, names, call, x)
         return x
 
@@ -125,7 +126,11 @@ class StagedShardOps:
         """Each stage's parameters in `model.stages()`' order, or None for a model without stages."""
         if not self.engine.capabilities.staged:
             return None
-        return [list(names) for names, _ in self.engine.model.stages()]
+        return [list(names) for names, _ in model_stages(self.engine.model)]
+
+    def stage_frozen(self) -> list[tuple[int, int]]:
+        """Each stage's frozen base (a LoRA run's): (elements, bytes) it reads that do not train."""
+        return frozen_loads(self.engine.model)
 
     def staged(self, batch: Batch, fetch: Callable, hand: Callable) -> None:
         self.engine.staged_step(batch, fetch, hand)
@@ -151,10 +156,12 @@ class PipelineRun:
     parameters it reads (`names`: once each, in order of first use) and the sums of the step's
     micro-batches, handed over by `take`."""
 
+    frozen_bytes: int = 0  # of a frozen base (a LoRA run's) this run holds: its own part only
+
     def __init__(self, engine: Any, first: int, last: int):
         self.model = engine.model
         self.task_loss, self.task_name = engine.task_loss, engine.task_name
-        stages = self.model.stages()
+        stages = model_stages(self.model)
         self.count_stages = len(stages)
         self.first, self.last = first, last
         self.is_first, self.is_last = first == 0, last == len(stages)

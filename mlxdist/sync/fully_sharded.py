@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -87,6 +88,27 @@ def check_stageable(cfg: Config, world: World, engine: Engine) -> list[list[str]
         raise world.agreed_error(f"{type(engine.model).__name__}.stages() do not name each trained parameter: "
                                  f"{', '.join(odd)} (stages must cover the trained parameters, nothing else)")
     return names
+
+
+@contextmanager
+def lent_whole(strategy: Any, engine: Engine, ranks: Collection[int], gather: Callable[[int], np.ndarray],
+               keep: bool = False) -> Iterator[None]:
+    """What ZeRO-3 and a pipeline share: the whole model (`gather(root)`, every rank taking part
+    for each root) set in the engines of `ranks` for the duration. The outermost of nested entries
+    lets go after (the weights and the moments a writer was handed), unless `keep`."""
+    for root in sorted(set(ranks)):
+        full = gather(root)
+        if root == strategy.world.rank:
+            engine.set_weights(strategy._unflatten(full))
+        del full
+    strategy._depth += 1
+    try:
+        yield
+    finally:
+        strategy._depth -= 1
+        if strategy._depth == 0 and not keep and not strategy.ops.released:
+            strategy.ops.release()
+            strategy.ops.drop_moments(strategy.t)
 
 
 class ExchangeThread:
@@ -333,19 +355,8 @@ class FullyShardedDataParallel(ShardedDataParallel):
         """Gathered into the engine of `ranks` only (a checkpoint's writers, the rank that runs
         a hook); the others hold their shards as before. Nested entries gather again (every
         rank alike) and only the outermost lets go."""
-        for root in sorted(set(ranks)):
-            full = self._gather(self.ops.numpy(self.p), root, "weight")
-            if root == self.world.rank:
-                engine.set_weights(self._unflatten(full))
-            del full
-        self._depth += 1
-        try:
+        with lent_whole(self, engine, ranks, lambda root: self._gather(self.ops.numpy(self.p), root, "weight")):
             yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0 and not self.ops.released:
-                self.ops.release()
-                self.ops.drop_moments(self.t)  # a checkpoint writer was handed the whole moments
 
     def eval_losses(self, engine: Engine, batches: list, metrics) -> list[tuple[float, int]]:
         """Forward only, stage by stage, as many rounds on every rank as the step runs them."""

@@ -9,8 +9,8 @@ model no single Mac holds trains over a slow link.
 What a rank holds: its run's weights (fp32), their gradients and the optimizer's state for the
 weights it owns; the engine built the whole model once at start, then lets go of it (as ZeRO-3).
 The cut (`dist.pipeline_cut`, else `control/pipeline_cut.py`'s by memory budget and `nodes:`
-speed) counts the
-model's stages (`model.stages()`: the built-in LM's embedding, each block, its head). A weight
+speed) counts the model's stages (`models/stages.py`: the built-in LM's embedding, each block,
+its head; a pretrained mlx-lm Llama or Qwen's the same, derived from its layer list). A weight
 two runs read (tied embeddings: the embedding and the head) is owned by the first rank that
 reads it; the other holds a copy, sends its gradient to the owner before the update and gets
 the updated weight back after it.
@@ -32,9 +32,14 @@ Checkpoints are data parallel's: before a save each writer gathers every rank's 
 optimizer state (`whole_model`, `before_save`), so a pipeline's checkpoint loads in one process,
 in `generate`, and on a pipeline of any number of ranks or any cut.
 
+Adapters (`finetune.method=lora/dora`, QLoRA with `model.quantize`) train over a frozen base cut
+the same way: the stages name only their adapters, each rank holds its run's part of the base
+(counted in the cut's cost and bytes) and lets go of the rest, and only the adapters are weights
+here (owned, updated, gathered for the checkpoint: data parallel's LoRA checkpoint and adapter).
+
 The engine side (one run's forward, its backward for a given output cotangent) is the engine's
 (`EngineSpec.pipeline`: `engine/mlx_pipeline.py`); this module knows no layers and no framework.
-Not yet: the torch engine, LoRA (a frozen base), models with buffers, a task's own optimizer,
+Not yet: adapters on the torch engine, models with buffers, a task's own optimizer,
 overlapping a send with the next micro-batch's compute beyond what nonblocking sends give,
 a cut by measured speed (the plan takes `nodes:` speed as given; all alike by default).
 """
@@ -59,6 +64,7 @@ from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
 from ..engine.registry import ENGINES
 from ..tasks import Batch
 from ..tasks.metrics import MetricSums, means
+from .fully_sharded import lent_whole
 from .strategy import Strategy
 
 WHY = "dist.mode=pipeline"
@@ -70,25 +76,31 @@ GRAD_TAG, WEIGHT_TAG = 32000, 32001
 
 
 def stage_names_of(engine: Engine) -> list[list[str]] | None:
-    """Each of the model's stages' parameter names (`model.stages()`), None without stages."""
-    stages = getattr(engine.model, "stages", None)
-    return None if stages is None else [list(names) for names, _ in stages()]
+    """Each of the model's stages' trained parameter names, as the engine runs them (its own
+    `stages()`, or derived from an mlx-lm model's layer list: `models/stages.py`); None without."""
+    return engine.shard_ops().stage_names() if engine.capabilities.staged else None
 
 
-def stage_cost_bytes(names: list[list[str]], sizes: dict[str, int], state_bytes: int) -> tuple[list[float],
-                                                                                              list[float]]:
-    """Each stage's cost and bytes (`control.pipeline_cut.stage_loads`) from its parameters' elements."""
-    return stage_loads([sum(sizes[n] for n in stage) for stage in names], state_bytes)
+def stage_cost_bytes(names: list[list[str]], sizes: dict[str, int], state_bytes: int,
+                     frozen: list[tuple[int, int]] | None = None) -> tuple[list[float], list[float]]:
+    """Each stage's cost and bytes (`control.pipeline_cut.stage_loads`) from its trained
+    parameters' elements, plus its frozen base's (a LoRA run's: `frozen`, each stage's elements
+    and bytes), which it computes through and holds but neither updates nor keeps state for."""
+    costs, nbytes = stage_loads([sum(sizes[n] for n in stage) for stage in names], state_bytes)
+    for i, (elements, held) in enumerate(frozen or []):
+        costs[i] += elements
+        nbytes[i] += held
+    return costs, nbytes
 
 
 def plan_cut(cfg: Config, names: list[list[str]], sizes: dict[str, int], state_bytes: int,
-             plan: RunPlan) -> list[tuple[int, int]]:
+             plan: RunPlan, frozen: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
     """The run's cut: `dist.pipeline_cut` as given, else the slowest stage least for each
     rank's speed (as the run plan carries it: measured at start, or `nodes:` speed) with each
     rank's bytes within its memory budget (`control/pipeline_cut.py`)."""
     if cfg.dist.pipeline_cut:
         return parse_cut(cfg.dist.pipeline_cut, len(names), len(plan.hosts))
-    costs, nbytes = stage_cost_bytes(names, sizes, state_bytes)
+    costs, nbytes = stage_cost_bytes(names, sizes, state_bytes, frozen)
     return cut_stages(costs, nbytes, list(plan.speeds) or [1.0] * len(plan.hosts), plan.budgets)
 
 
@@ -102,19 +114,16 @@ class Pipeline(Strategy):
     title = "pipeline parallelism"
 
     @classmethod
-    def check_config(cls, cfg: Config) -> None:
-        if cfg.finetune.method != "full":
-            raise ConfigError(f"{WHY} with finetune.method={cfg.finetune.method}: adapters over a pipelined frozen base "
-                              "are not done yet; use dist.mode=ddp (with dist.shard=weights for a base bigger than "
-                              "one Mac)")
-
-    @classmethod
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
         spec = ENGINES.get(engine.name)
         if spec is None or not spec.pipeline:
             raise world.agreed_error(f"{WHY} runs on the MLX engine only for now (the {engine.name} engine has no "
                                      "pipeline stages yet): use --engine mlx, or dist.mode=ddp with "
                                      "dist.shard=weights for a model bigger than one Mac")
+        if cfg.finetune.method != "full" and engine.name != "mlx":
+            raise world.agreed_error(f"{WHY} with finetune.method={cfg.finetune.method}: adapters over a pipelined "
+                                     f"frozen base run on the MLX engine only for now (the {engine.name} engine's "
+                                     "stages name its whole base); use --engine mlx, or dist.mode=ddp")
         if engine.capabilities.own_optimizer:
             raise world.agreed_error(f"{WHY} updates each stage with mlxdist's optimizer; this task brings its own "
                                      "(Task.optimizer): drop it, or use dist.mode=ddp")
@@ -125,8 +134,8 @@ class Pipeline(Strategy):
         names = stage_names_of(engine)
         if names is None:
             raise world.agreed_error(f"{WHY} cuts the model's stages, but {type(engine.model).__name__} has no "
-                                     "stages() (the built-in LM's presets do); give the model a stages() method "
-                                     "(docs/bigger-than-one-mac.md) or use dist.mode=ddp")
+                                     "stages() (the built-in LM's presets and mlx-lm Llama/Qwen bases do); give "
+                                     "the model a stages() method (docs/bigger-than-one-mac.md) or use dist.mode=ddp")
         trained, seen = set(engine.trained_names), {n for stage in names for n in stage}
         if seen != trained:
             odd = sorted(trained - seen)[:3] or sorted(seen - trained)[:3]
@@ -138,7 +147,7 @@ class Pipeline(Strategy):
         ops = engine.shard_ops()
         sizes = {n: math.prod(s) for n, s in zip(ops.names, ops.shapes, strict=True)}
         try:
-            plan_cut(cfg, names, sizes, ops.optimizer.state_bytes, plan)
+            plan_cut(cfg, names, sizes, ops.optimizer.state_bytes, plan, ops.stage_frozen())
         except ConfigError as e:
             raise world.agreed_error(str(e)) from None
 
@@ -153,7 +162,7 @@ class Pipeline(Strategy):
         self.index = {n: i for i, n in enumerate(self.ops.names)}
         sizes = {n: math.prod(s) for n, s in self.shapes.items()}
         stages = stage_names_of(engine)
-        self.cuts = plan_cut(cfg, stages, sizes, self.optimizer.state_bytes, plan)
+        self.cuts = plan_cut(cfg, stages, sizes, self.optimizer.state_bytes, plan, self.ops.stage_frozen())
         a, b = self.cuts[self.rank]
         self.stage = ENGINES[engine.name].load("pipeline")(engine, a, b)
         self.stage_titles = [f"{b - a} stage{'s' if b - a > 1 else ''} ({a}-{b - 1})" for a, b in self.cuts]
@@ -180,6 +189,9 @@ class Pipeline(Strategy):
         self.mine = mine
         self.sizes = sizes
         self.writes = world.allgather(world.rank == 0 or (cfg.checkpoint.on_every_host and world.local_rank == 0))
+        # A writer of an adapter run keeps the adapters it last gathered: small, and what the
+        # engine's `save_adapter` reads at the end of the run (after the last step's save).
+        self.keeps = cfg.finetune.method != "full" and self.writes[self.rank]
         self.weights: dict[str, object] = {}  # this run's weights (owned and copies), set by load_state_dict
         self.state: tuple = ()
         self.t = 0
@@ -437,19 +449,9 @@ class Pipeline(Strategy):
         """Every rank's owned weights gathered on each of `ranks`, set whole in its engine for
         the duration; let go after."""
         mine = self._flat_owned({n: self.ops.numpy(self.weights[n]) for n in self.mine}, self.mine)
-        for root in sorted(set(ranks)):
-            full = self.transport.gather(mine, self.ranges, self.total, root, "weight gather for the checkpoint")
-            if root == self.rank:
-                engine.set_weights(self._unflatten(full))
-            del full
-        self._depth += 1
-        try:
+        with lent_whole(self, engine, ranks, lambda root: self.transport.gather(
+                mine, self.ranges, self.total, root, "weight gather for the checkpoint"), keep=self.keeps):
             yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:  # a writer was handed the whole model (releasing twice is harmless)
-                self.ops.release()
-                self.ops.drop_moments(self.t)
 
     def before_save(self, engine: Engine, step: int) -> list[Decision]:
         """The optimizer's state of every rank's weights to each writer, set in its engine, which
@@ -481,12 +483,14 @@ class Pipeline(Strategy):
                                for k in keys)
         del state
         self.t = int(count)
-        self.ops.release()
-        self.ops.drop_moments(self.t)
+        if not self.keeps:
+            self.ops.release()
+            self.ops.drop_moments(self.t)
         a, b = self.cuts[self.rank]
         return [Decision("pipeline", None, {"step": step, "rank": self.rank, "stages": [a, b],
                                             "cuts": [list(c) for c in self.cuts],
-                                            "owned_elements": [b - a for a, b in self.ranges]})]
+                                            "owned_elements": [b - a for a, b in self.ranges],
+                                            "frozen_bytes_here": self.stage.frozen_bytes})]
 
     def close(self) -> None:
         wait_sent(self._sent)
