@@ -41,7 +41,7 @@ The engine side (one run's forward, its backward for a given output cotangent) i
 (`EngineSpec.pipeline`: `engine/mlx_pipeline.py`); this module knows no layers and no framework.
 Not yet: adapters on the torch engine, models with buffers, a task's own optimizer,
 overlapping a send with the next micro-batch's compute beyond what nonblocking sends give,
-a cut by measured speed (the plan takes `nodes:` speed as given; all alike by default).
+re-cutting by speeds measured during the run (the cut is made once, at start).
 """
 
 from __future__ import annotations
