@@ -49,6 +49,8 @@ def _pairs(totals: dict, counts: dict) -> dict:
 class MlxStage(PipelineRun):
     """Stages [first, last) of the engine's model in MLX, run with weights handed in."""
 
+    adapters = True
+
     def __init__(self, engine: Any, first: int, last: int):
         super().__init__(engine, first, last)
         self.dtype = engine.compute_dtype

@@ -157,6 +157,7 @@ class PipelineRun:
     micro-batches, handed over by `take`."""
 
     frozen_bytes: int = 0  # of a frozen base (a LoRA run's) this run holds: its own part only
+    adapters: bool = False  # runs a LoRA/QLoRA run's stages over a frozen base it partly lets go of
 
     def __init__(self, engine: Any, first: int, last: int):
         self.model = engine.model

@@ -36,9 +36,9 @@ round.
 
 Each engine runs the stages its own way (`staged_step`: MLX with `mx.vjp` per stage, torch
 with `torch.autograd.grad`), through `engine.shard_ops()` (`engine.base.StagedOps`), so this
-module knows neither framework. Not here (one line at start instead): models without
-`stages()` (a task's, a pretrained `model.path`), LoRA, models with buffers, `train.ema`, a
-task's own optimizer, torch's fp16 GradScaler.
+module knows neither framework. Not here (one line at start instead): models without stages
+(`models/stages.py`: a task's model with no `stages()`, a pretrained base of a family it does not
+know), LoRA, models with buffers, `train.ema`, a task's own optimizer, torch's fp16 GradScaler.
 An out-of-memory in the forward-backward phase is not retried with a smaller micro-batch (the
 computing happens inside the exchange, where ranks cannot redo alone); the planner sizes it.
 """
@@ -79,7 +79,7 @@ def check_stageable(cfg: Config, world: World, engine: Engine) -> list[list[str]
                                  "(BatchNorm's statistics, ...), which it does not shard: use dist.shard=gradients")
     if not engine.capabilities.staged:
         raise world.agreed_error(f"{why}, but {type(engine.model).__name__} has no stages() (the built-in LM's presets "
-                                 "do); use dist.shard=gradients, or give the model a stages() method (docs/"
+                                 "and mlx-lm Llama/Qwen bases do); use dist.shard=gradients, or give the model a stages() method (docs/"
                                  "bigger-than-one-mac.md)")
     names = shard_ops(world, engine, "weights").stage_names()
     trained, seen = set(engine.trained_names), {n for stage in names for n in stage}

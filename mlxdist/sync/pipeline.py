@@ -120,7 +120,7 @@ class Pipeline(Strategy):
             raise world.agreed_error(f"{WHY} runs on the MLX engine only for now (the {engine.name} engine has no "
                                      "pipeline stages yet): use --engine mlx, or dist.mode=ddp with "
                                      "dist.shard=weights for a model bigger than one Mac")
-        if cfg.finetune.method != "full" and engine.name != "mlx":
+        if cfg.finetune.method != "full" and not spec.load("pipeline").adapters:
             raise world.agreed_error(f"{WHY} with finetune.method={cfg.finetune.method}: adapters over a pipelined "
                                      f"frozen base run on the MLX engine only for now (the {engine.name} engine's "
                                      "stages name its whole base); use --engine mlx, or dist.mode=ddp")

@@ -44,8 +44,8 @@ def resolve_shard(cfg: Config, world: World, engine: Engine, hosts: list[str], l
     if mp.choice is None:
         raise world.agreed_error(mp.no_fit_line())
     built = ("none", "optimizer", "gradients") if spec.auto_shard else ("none",)
-    if spec.auto_shard and engine.capabilities.staged:
-        built += ("weights",)  # ZeRO-3 runs a model with stages() (the built-in LM's presets)
+    if spec.auto_shard and engine.capabilities.staged and cfg.finetune.method == "full":
+        built += ("weights",)  # ZeRO-3 runs a model with stages (models/stages.py), trained in full
     if mp.choice not in built:
         raise world.agreed_error(f"{mp.choice_line()}; this model cannot run it (the {engine.name} engine shards "
                                  f"{' or '.join(built[1:]) or 'nothing yet'} here): lower the micro-batches "
