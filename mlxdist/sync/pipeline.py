@@ -181,19 +181,17 @@ class Pipeline(Strategy):
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
         self.ranges = [(starts[r], starts[r + 1]) for r in range(self.size)]
         self.total = starts[-1]
-        mine, at, pieces = self.owned[self.rank], 0, []
-        for n in mine:
-            pieces.append(Piece(self.index[n], 0, sizes[n], at))
-            at += sizes[n]
-        self.pieces = tuple(pieces)
-        self.mine = mine
+        self.mine = self.owned[self.rank]
+        # Each owned weight is updated on its own, in place of a flat shard: no copy of the
+        # weights, gradients or moments into one array and back each step.
+        self.piece = {n: (Piece(self.index[n], 0, sizes[n], 0),) for n in self.mine}
         self.sizes = sizes
         self.writes = world.allgather(world.rank == 0 or (cfg.checkpoint.on_every_host and world.local_rank == 0))
         # A writer of an adapter run keeps the adapters it last gathered: small, and what the
         # engine's `save_adapter` reads at the end of the run (after the last step's save).
         self.keeps = cfg.finetune.method != "full" and self.writes[self.rank]
         self.weights: dict[str, object] = {}  # this run's weights (owned and copies), set by load_state_dict
-        self.state: tuple = ()
+        self.state: dict[str, tuple] = {}  # each owned weight's optimizer state, flat
         self.t = 0
         self._depth = 0
         self._count = 0
@@ -361,8 +359,8 @@ class Pipeline(Strategy):
         sent += self._share_gradients(named)
         last = self.size - 1
         flat_metrics = self.world.bcast((metrics.names(), metrics.flat(count)) if self.rank == last else None, last)
-        g = self.ops.array(self._flat_owned({n: self.ops.numpy(named[n]) for n in self.mine}, self.mine)) * (1.0 / count)
-        squares = self.ops.squares(g, self.pieces)
+        g = {n: named[n].reshape(-1) * (1.0 / count) for n in self.mine}
+        squares = sum(self.ops.squares(g[n], self.piece[n]) for n in self.mine)
         loss_sum, squares = self.world.allreduce_sum([loss_sum, squares])
         norm = math.sqrt(squares) if squares >= 0 else float("nan")
         stats = StepStats(loss_sum, count, norm, skipped=False)
@@ -373,13 +371,10 @@ class Pipeline(Strategy):
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
         t = self.t + 1
-        p = self.ops.array(self._flat_owned({n: self.ops.numpy(self.weights[n]) for n in self.mine}, self.mine))
-        p, self.state = self.ops.update(p, self.state, g, self.pieces, lr, t, coef)
-        flat = self.ops.numpy(p)
-        at = 0
         for n in self.mine:
-            self.weights[n] = self.ops.array(flat[at:at + self.sizes[n]].reshape(self.shapes[n]).copy())
-            at += self.sizes[n]
+            p, self.state[n] = self.ops.update(self.weights[n].reshape(-1), self.state[n], g[n], self.piece[n],
+                                               lr, t, coef)
+            self.weights[n] = p.reshape(self.shapes[n])
         self.t = t
         sent += self._share_weights()
         stats.sync_seconds, stats.sync_bytes = time.perf_counter() - t0, sent
@@ -459,8 +454,10 @@ class Pipeline(Strategy):
         for root, writes in enumerate(self.writes):
             if not writes:
                 continue
-            full = [self.transport.gather(self.ops.numpy(s), self.ranges, self.total, root,
-                                          "optimizer state gather for the checkpoint") for s in self.state]
+            full = [self.transport.gather(self._flat_owned({n: self.ops.numpy(self.state[n][k]) for n in self.mine},
+                                                           self.mine), self.ranges, self.total, root,
+                                          "optimizer state gather for the checkpoint")
+                    for k in range(len(self.optimizer.state_names))]
             if root == self.rank:
                 engine.set_optimizer_state({k: v for name, a in zip(self.optimizer.state_names, full, strict=True)
                                             for k, v in self._unflatten(a, f"{name}.").items()}, self.t)
@@ -475,12 +472,10 @@ class Pipeline(Strategy):
         del whole
         state, count = engine.get_optimizer_state()
         keys = self.optimizer.state_names
-        if any(f"{k}.{n}" not in state for k in keys for n in self.mine):
-            size = self.ranges[self.rank][1] - self.ranges[self.rank][0]
-            self.state = tuple(self.ops.array(np.zeros(size, np.float32)) for _ in keys)
-        else:
-            self.state = tuple(self.ops.array(self._flat_owned({n: state[f"{k}.{n}"] for n in self.mine}, self.mine))
-                               for k in keys)
+        fresh = any(f"{k}.{n}" not in state for k in keys for n in self.mine)
+        self.state = {n: tuple(self.ops.array(np.zeros(self.sizes[n], np.float32) if fresh else
+                                              np.array(state[f"{k}.{n}"], np.float32).reshape(-1)) for k in keys)
+                      for n in self.mine}
         del state
         self.t = int(count)
         if not self.keeps:
