@@ -223,6 +223,9 @@ class DistConfig:
     measure_speed: bool = field(default=True, metadata=_help(
         "pipeline: time a forward pass on every rank at start and cut by the speeds measured, unless nodes: give "
         "speeds; false: every rank alike but for nodes: speed"))
+    measure_stages: bool = field(default=True, metadata=_help(
+        "pipeline: time each model stage's forward pass at start and cut by those costs (an embedding's lookup is "
+        "cheap, a vocabulary head dear); false: cut by parameter counts"))
 
 
 @_settings

@@ -45,12 +45,13 @@ def test_smallest_bench_reports_every_run_and_matches_zero3(tmp_path) -> None:
             # same samples, other micro-batching and other sums: fp32 rounding only
             assert x["loss_vs_base"] < 1e-4, x["loss_vs_base"]
             assert x["losses"][-1] < x["losses"][0]
-    assert rows[("equal", "pipeline")]["cut"].startswith("by memory budget: rank 0 3 stages")
+    assert rows[("equal", "pipeline")]["cut"].startswith("by memory budget and measured stage costs: rank 0 3 "
+                                                                  "stages")
     if hosts:
         assert rows[("slow", "pipeline-equal")]["cut"].startswith("by dist.pipeline_cut: rank 0 3 "
                                                                   "stages (0-2), rank 1 3 stages")
         speed = rows[("slow", "pipeline")]["cut"]
-        assert speed.startswith("by memory budget and speed (1, 0.5): rank 0 4 stages"), speed
+        assert speed.startswith("by memory budget and speed (1, 0.5) and measured stage costs: rank 0 4 stages"), speed
         solo = res["solo_samples_per_s"][0]
         assert len(solo) == 2 and solo[0] > solo[1] > 0  # the host at 50% of a core is the slower
         assert 0 < rows[("slow", "pipeline")]["of_ideal"] < 2 and 0 < rows[("slow", "pipeline")]["of_nominal_ideal"] < 2
@@ -72,6 +73,6 @@ def test_the_lora_row_holds_a_pipelined_base_against_data_parallel(tmp_path) -> 
     rows = {x["contender"]: x for x in json.loads(out.read_text())["runs"]}
     assert set(rows) == {"pipeline", "ddp"} and rows["pipeline"]["baseline"] == "ddp"
     assert rows["pipeline"]["loss_vs_base"] < 1e-5, rows["pipeline"]["loss_vs_base"]
-    assert rows["pipeline"]["cut"].startswith("by memory budget: rank 0 2 stages"), rows["pipeline"]["cut"]
+    assert rows["pipeline"]["cut"].startswith("by memory budget and measured stage costs: rank 0 2 stages"), rows["pipeline"]["cut"]
     assert rows["pipeline"]["step_vs_base"] > 0
     assert "1gbit LoRA: pipeline step" in r.stdout and "data parallel's" in r.stdout

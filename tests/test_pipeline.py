@@ -261,7 +261,8 @@ def test_checkpoints_are_whole_and_resume_anywhere(tmp_path, one_process):
 def test_a_half_speed_rank_gets_a_third_of_the_stack(tmp_path):
     """`nodes:` speed reaches the cut: 10 blocks, rank 1 at half speed runs 4 of the 12 stages."""
     r = _ok(_train([*FAST, "model.n_layers=10", "train.steps=1", "dist.mode=pipeline", f"train.out_dir={tmp_path}",
-                    "nodes={rank0: {batch_size: 1}, rank1: {batch_size: 1, speed: 0.5}}"], np_=2))
+                    "dist.measure_stages=false", "nodes={rank0: {batch_size: 1}, rank1: {batch_size: 1, speed: 0.5}}"],
+                   np_=2))
     assert ("12 model stages cut by memory budget and speed (1, 0.5): rank 0 8 stages (0-7), rank 1 4 stages "
             "(8-11)") in r.stderr, r.stderr[-2000:]
 
@@ -271,7 +272,8 @@ def test_the_cut_follows_speeds_measured_at_start(tmp_path):
     """Rank 1 computes 3x slower (the rig's compute scale: a slower GPU, CPU free): the forward
     pass every rank times at start reads it, and the cut gives rank 1 fewer of the 12 stages;
     with nodes: speeds given nothing is timed."""
-    args = [*FAST, "model.n_layers=10", "train.steps=1", "train.batch_size=1", "dist.mode=pipeline"]
+    args = [*FAST, "model.n_layers=10", "train.steps=1", "train.batch_size=1", "dist.mode=pipeline",
+            "dist.measure_stages=false"]
     r = run_slowed([*args, f"train.out_dir={tmp_path / 'measured'}"], "1,3")
     assert r.returncode == 0, r.stderr[-3000:]
     m = re.search(r"speeds measured at start \(a forward pass of one sample\): rank 0 \(\S+\) ([\d.]+) \([\d.]+ ms\), "
@@ -283,6 +285,37 @@ def test_the_cut_follows_speeds_measured_at_start(tmp_path):
     r = run_slowed([*args, f"train.out_dir={tmp_path / 'given'}", "nodes={rank1: {batch_size: 1, speed: 0.5}}"], "1,3")
     assert r.returncode == 0 and "speeds measured" not in r.stderr, r.stderr[-3000:]
     assert "rank 0 8 stages (0-7), rank 1 4 stages (8-11)" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.cluster
+def test_the_cut_weighs_stage_costs_measured_at_start(tmp_path):
+    """A vocabulary of 8192 on 128 dims: the embedding and the head hold 1M parameters each
+    against a block's 0.2M, so counting parameters cuts 3 + 3; but the lookup costs next to
+    nothing and the head's matmul several blocks, which the forward timed at start sees: rank 0
+    gets more of the blocks."""
+    args = [*FAST, "model.vocab_size=8192", "train.steps=1", "train.batch_size=1", "dist.mode=pipeline",
+            "dist.measure_speed=false"]
+    counted = _ok(_train([*args, "dist.measure_stages=false", f"train.out_dir={tmp_path / 'counted'}"], np_=2))
+    assert "6 model stages cut by memory budget: rank 0 3 stages (0-2), rank 1 3 stages" in counted.stderr, \
+        counted.stderr[-2000:]
+    assert "stage costs measured" not in counted.stderr
+    timed = _ok(_train([*args, f"train.out_dir={tmp_path / 'timed'}"], np_=2))
+    line = re.search(r"stage costs measured at start .*?: stage 0 ([\d.]+)%, stages 1-4 ([\d.]+)%-([\d.]+)% each, "
+                     r"stage 5 ([\d.]+)% of it", timed.stderr)
+    assert line, timed.stderr[-2000:]
+    embed, head, block = float(line.group(1)), float(line.group(4)), float(line.group(3))
+    assert embed < block < head, line.group(0)
+    cut = re.search(r"cut by memory budget and measured stage costs: rank 0 (\d) stages", timed.stderr)
+    assert cut and int(cut.group(1)) >= 4, timed.stderr[-2000:]
+
+
+def test_stage_costs_are_each_ranks_shares_averaged():
+    from mlxdist.control.pipeline_cut import stage_costs, stage_costs_line
+
+    costs = stage_costs([[0.1, 0.3, 0.6], [0.2, 0.6, 1.2]])  # rank 1 twice as slow: the same shares
+    assert costs == pytest.approx([0.1, 0.3, 0.6])
+    assert stage_costs([[1.0, 3.0], [3.0, 1.0]]) == pytest.approx([0.5, 0.5])
+    assert "stage 0 10.0%, stage 1 30.0%, stage 2 60.0% of it" in stage_costs_line(costs, [[0.1, 0.3, 0.6]] * 2)
 
 
 @pytest.mark.cluster

@@ -15,6 +15,7 @@ read (tied embeddings) is counted in both, since both hold it.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 from ..problems import ConfigError
@@ -140,3 +141,22 @@ def parse_cut(text: str, stages: int, ranks: int) -> list[tuple[int, int]]:
         cuts.append((a, a + c))
         a += c
     return cuts
+
+
+def stage_costs(seconds: list[list[float]]) -> list[float]:
+    """One cost per stage from every rank's timings: each rank's as shares of its own forward
+    (a slower rank's are as good), averaged over ranks."""
+    shares = [[t / max(sum(ts), 1e-12) for t in ts] for ts in seconds]
+    return [statistics.fmean(col) for col in zip(*shares, strict=True)]
+
+
+def stage_costs_line(costs: list[float], seconds: list[list[float]]) -> str:
+    """What the start says of measured stage costs: the first, middle and last stages' shares."""
+    n, whole = len(costs), statistics.median(sum(ts) for ts in seconds)
+    middle = costs[1:-1]
+    mid = (f", stages 1-{n - 2} {min(middle):.1%}-{max(middle):.1%} each" if len(middle) > 1 else
+           f", stage 1 {middle[0]:.1%}" if middle else "")
+    return (f"stage costs measured at start (a forward pass of one sample on every rank, {whole * 1e3:.3g} ms): "
+            f"stage 0 {costs[0]:.1%}{mid}, stage {n - 1} {costs[-1]:.1%} of it; the cut weighs these "
+            "(dist.measure_stages=false: parameter counts)")
+

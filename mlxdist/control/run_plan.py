@@ -34,6 +34,7 @@ class RunPlan:
     outer_wire: str  # DiLoCo's pseudo-gradient wire (dist.outer_wire)
     notes: tuple[str, ...] = ()  # what the start-up banner says of the shard choice and the memory plan
     speeds: tuple[float, ...] = ()  # each rank's relative compute speed (`nodes:` speed; a pipeline's cut reads it)
+    stage_costs: tuple[float, ...] = ()  # each model stage's share of a forward pass, measured at start (a pipeline's)
 
     @property
     def micro_batch(self) -> int:

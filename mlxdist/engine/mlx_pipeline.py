@@ -23,6 +23,7 @@ cast's gradient brings fp32 gradients back, as the engine's own step does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -70,13 +71,19 @@ class MlxStage(PipelineRun):
         """The first run's input: what the task's loss feeds the model."""
         return model_input(self.task_loss, self.model, self.data(batch), self.task_name)
 
-    def _run(self, weights: list[mx.array], x: mx.array) -> mx.array:
+    def _run(self, weights: list[mx.array], x: mx.array, each: Callable[[Any], None] | None = None) -> mx.array:
         if self.dtype != mx.float32:
             weights = [w.astype(self.dtype) for w in weights]
         self.model.update(tree_unflatten(list(zip(self.names, weights, strict=True))))
         for call in self.calls:
             x = call(x)
+            if each is not None:
+                each(x)
         return x
+
+    @staticmethod
+    def settle(x: mx.array) -> None:
+        mx.eval(x)
 
     def _let_go(self) -> None:
         """The module keeps no reference to the run's (cast) weights between calls."""
@@ -89,10 +96,12 @@ class MlxStage(PipelineRun):
         counts = {n: mx.array(c, mx.float32) for n, (_, c) in metrics.items() if c is not None}
         return check_scalar(loss, self.task_name).astype(mx.float32), totals, counts
 
-    def forward(self, weights: list[mx.array], x: mx.array, batch: Batch) -> mx.array:
-        """The run's output on input `x` (evaluated: it goes to the next stage)."""
+    def forward(self, weights: list[mx.array], x: mx.array, batch: Batch,
+                each: Callable[[Any], None] | None = None) -> mx.array:
+        """The run's output on input `x` (evaluated: it goes to the next stage); `each` sees
+        every stage's output."""
         with sample_seeds_of(batch):
-            out = self._run(weights, x)
+            out = self._run(weights, x, each)
             mx.eval(out)
         self._let_go()
         return out

@@ -10,6 +10,8 @@ itself (evaluation: forward only). Each passes any other attribute through to th
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -192,7 +194,43 @@ class PipelineRun:
         finally:
             self.model.train()
 
+    def stage_seconds(self, weights: list, batch: Batch) -> list[float]:
+        """Each of the run's stages' seconds in a forward pass of `batch` (what the cut weighs
+        with `dist.measure_stages`: an embedding's lookup costs next to nothing, a head's
+        vocabulary matmul much more than its parameters say)."""
+        x = self.input_of(batch)
+        self.settle(x)
+        marks = [time.perf_counter()]
+
+        def each(out: Any) -> None:
+            self.settle(out)
+            marks.append(time.perf_counter())
+
+        self.forward(weights, x, batch, each)
+        return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+
     @staticmethod
     def wire_dtype(dtype: str) -> np.dtype:
         """The numpy dtype `to_numpy` gives for an array of dtype `dtype` (bf16 as its 16 bits)."""
         return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def time_stages(engine: Any, stage_class: Callable[..., Any], count: int, batch, repeats: int = 3) -> list[float]:
+    """The median seconds of each of the model's `count` stages in a forward pass of `batch`
+    (eval mode: no dropout drawn, no statistics moved), through the engine's pipeline stage
+    class (`EngineSpec.pipeline`) running all of them; the engine is whole (at start) and is
+    handed its weights back after."""
+    whole = engine.get_weights()
+    ops = engine.shard_ops()
+    run = stage_class(engine, 0, count)
+    weights = [ops.array(np.asarray(whole[n], np.float32)) for n in run.names]
+    engine.model.eval()
+    try:
+        run.stage_seconds(weights, batch)  # warm-up: compiles, first allocations
+        times = [run.stage_seconds(weights, batch) for _ in range(repeats)]
+    finally:
+        engine.model.train()
+        engine.release_weights()
+        engine.set_weights(whole)
+    return [statistics.median(t[i] for t in times) for i in range(count)]
+

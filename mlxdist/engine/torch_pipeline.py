@@ -11,6 +11,7 @@ fp32 masters, as the engine's own step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,13 +44,24 @@ class TorchStage(PipelineRun):
         """The first run's input: what the task's loss feeds the model."""
         return model_input(self.task_loss, self.model, self.data(batch), self.task_name)
 
-    def _run(self, weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def _run(self, weights: list[torch.Tensor], x: torch.Tensor,
+             each: Callable[[Any], None] | None = None) -> torch.Tensor:
         for n, p, w in zip(self.names, self._params, weights, strict=True):
             p.data = w.T if flipped(n) else w
         with self.engine._autocast():
             for call in self.calls:
                 x = call(x)
+                if each is not None:
+                    each(x)
         return x
+
+    def settle(self, x: Any) -> None:
+        if not isinstance(x, torch.Tensor):
+            return
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        elif x.device.type == "mps":
+            torch.mps.synchronize()
 
     def _let_go(self) -> None:
         for p in self._params:
@@ -60,11 +72,13 @@ class TorchStage(PipelineRun):
         got = torch.autograd.grad(out, wrt, grad_outputs=back, allow_unused=True)
         return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt, strict=True)]
 
-    def forward(self, weights: list[torch.Tensor], x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """The run's output on input `x` (it goes to the next stage)."""
+    def forward(self, weights: list[torch.Tensor], x: torch.Tensor, batch: Batch,
+                each: Callable[[Any], None] | None = None) -> torch.Tensor:
+        """The run's output on input `x` (it goes to the next stage); `each` sees every
+        stage's output."""
         try:
             with sample_seeds_of(batch), torch.no_grad():
-                return self._run(weights, x)
+                return self._run(weights, x, each)
         finally:
             self._let_go()
 

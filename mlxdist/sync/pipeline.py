@@ -50,6 +50,7 @@ import math
 import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -57,11 +58,12 @@ import numpy as np
 from ..cluster.transport import Sent, Transport, wait_sent
 from ..cluster.world import World
 from ..config import Config, ConfigError
-from ..control.pipeline_cut import cut_stages, parse_cut, stage_loads
+from ..control.pipeline_cut import cut_stages, parse_cut, stage_costs, stage_costs_line, stage_loads
 from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
 from ..engine.registry import ENGINES
+from ..engine.staged import time_stages
 from ..tasks import Batch
 from ..tasks.metrics import MetricSums, means
 from .fully_sharded import lent_whole
@@ -101,6 +103,8 @@ def plan_cut(cfg: Config, names: list[list[str]], sizes: dict[str, int], state_b
     if cfg.dist.pipeline_cut:
         return parse_cut(cfg.dist.pipeline_cut, len(names), len(plan.hosts))
     costs, nbytes = stage_cost_bytes(names, sizes, state_bytes, frozen)
+    if len(plan.stage_costs) == len(names):
+        costs = list(plan.stage_costs)
     return cut_stages(costs, nbytes, list(plan.speeds) or [1.0] * len(plan.hosts), plan.budgets)
 
 
@@ -112,6 +116,32 @@ class Pipeline(Strategy):
     gradient_wire = "none"  # it sends activations, not gradients
     speed_weighted = True  # the cut gives a faster rank more stages (RunPlan.speeds)
     title = "pipeline parallelism"
+
+    @classmethod
+    def probe(cls, cfg: Config, world: World, engine: Engine, sample, plan: RunPlan) -> RunPlan:
+        """Each stage's share of a forward pass, timed on every rank (`dist.measure_stages`):
+        the cut's costs, in place of parameter counts."""
+        spec = ENGINES.get(engine.name)
+        if (cfg.dist.pipeline_cut or not cfg.dist.measure_stages or spec is None or not spec.pipeline
+                or engine.capabilities.own_optimizer or engine.model_state.has_state()):
+            return plan
+        names = stage_names_of(engine)
+        seconds = None
+        if names is not None and len(names) > 1:
+            try:
+                seconds = time_stages(engine, spec.load("pipeline"), len(names), sample())
+            except Exception as e:  # noqa: BLE001 - said below, and `check` refuses what cannot run
+                seconds = f"{type(e).__name__}: {e}"
+        with world.watch("timing each model stage's forward pass (dist.measure_stages)"):
+            every = world.allgather(seconds)
+        failed = [f"rank {r}: {s}" for r, s in enumerate(every) if isinstance(s, str)]
+        if names is None or len(names) < 2 or any(s is None for s in every):
+            return plan
+        if failed:
+            return replace(plan, notes=(*plan.notes, f"stage costs not measured ({'; '.join(failed)[:300]}); the "
+                                                      "cut counts parameters"))
+        costs = stage_costs(every)
+        return replace(plan, stage_costs=tuple(costs), notes=(*plan.notes, stage_costs_line(costs, every)))
 
     @classmethod
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
@@ -204,7 +234,8 @@ class Pipeline(Strategy):
 
     def describe(self) -> str | None:
         speeds = "" if len(set(self.plan.speeds)) <= 1 else f" and speed ({', '.join(f'{v:g}' for v in self.plan.speeds)})"
-        how = "by dist.pipeline_cut" if self.cfg.dist.pipeline_cut else f"by memory budget{speeds}"
+        timed = " and measured stage costs" if len(self.plan.stage_costs) == self.cuts[-1][1] else ""
+        how = "by dist.pipeline_cut" if self.cfg.dist.pipeline_cut else f"by memory budget{speeds}{timed}"
         cut = ", ".join(f"rank {r} {t}" for r, t in enumerate(self.stage_titles))
         shared = f"; {', '.join(self.shared)} shared by the runs that read it" if self.shared else ""
         return (f"pipeline parallelism: {self.cuts[-1][1]} model stages cut "

@@ -64,6 +64,13 @@ class Strategy(ABC):
         return None
 
     @classmethod
+    def probe(cls, cfg: Config, world: World, engine: Engine, sample: Callable[[], Batch], plan: RunPlan) -> RunPlan:
+        """What this strategy measures at start, before `check` (collective: every rank calls
+        it), as the run plan carries it; `sample()` gives a batch of one sample. Measure nothing
+        where `check` will refuse: it says why."""
+        return plan
+
+    @classmethod
     def check(cls, cfg: Config, world: World, engine: Engine, plan: RunPlan) -> None:
         """Refuse, before anything is built, what this strategy cannot run: one line through
         `world.agreed_error` (every rank decides alike)."""

@@ -204,17 +204,24 @@ class Trainer:
         vocab = lm_vocab_size(cfg, engine.capabilities.base) if self._builtin_lm else None
         plan = build_run_plan(cfg, w.rank, nodes, self.hosts, limits, shard=shard,
                               n_trained=int(sum(engine.gradient_sizes())), vocab_size=vocab, notes=lines)
-        return self._measure_speeds(plan, nodes)
+        return self._measure(plan, nodes)
 
-    def _measure_speeds(self, plan: RunPlan, nodes: list[NodeConfig]) -> RunPlan:
-        """A strategy that gives a faster rank more work gets the ranks' speeds measured
-        (`training/speed_probe.py`), unless `nodes:` give speeds or dist.measure_speed is off."""
+    def _measure(self, plan: RunPlan, nodes: list[NodeConfig]) -> RunPlan:
+        """What is measured at start on 2+ ranks: the ranks' speeds for a strategy that gives a
+        faster rank more work (`training/speed_probe.py`), unless `nodes:` give speeds or
+        dist.measure_speed is off; then the strategy's own probe (a pipeline's stage costs)."""
         cfg, w = self.cfg, self.world
-        if (w.size < 2 or not mode_strategy(cfg).speed_weighted or not cfg.dist.measure_speed
-                or any(n.speed != 1.0 for n in nodes)):
+        if w.size < 2:
             return plan
-        speeds, line = measure_speeds(w, self.engine, self.task.make_batch(self.task.dataset, [0]), self.hosts)
-        return replace(plan, speeds=tuple(speeds), notes=(*plan.notes, line))
+        strategy = mode_strategy(cfg)
+
+        def sample():
+            return self.task.make_batch(self.task.dataset, [0])
+
+        if strategy.speed_weighted and cfg.dist.measure_speed and all(n.speed == 1.0 for n in nodes):
+            speeds, line = measure_speeds(w, self.engine, sample(), self.hosts)
+            plan = replace(plan, speeds=tuple(speeds), notes=(*plan.notes, line))
+        return strategy.probe(cfg, w, self.engine, sample, plan)
 
     def _make_feed(self) -> StepFeed:
         data = self.task.dataset
