@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -45,13 +46,17 @@ def test_smallest_bench_reports_every_run_and_matches_zero3(tmp_path) -> None:
             # same samples, other micro-batching and other sums: fp32 rounding only
             assert x["loss_vs_base"] < 1e-4, x["loss_vs_base"]
             assert x["losses"][-1] < x["losses"][0]
-    assert rows[("equal", "pipeline")]["cut"].startswith("by memory budget and measured stage costs: rank 0 3 "
-                                                                  "stages")
+    # 4 blocks between an embedding and a head that cost little: 2 + 2 of them, or 1 + 3 as the
+    # timings at start tip a near tie (the last rank, recomputing nothing, takes a third more).
+    equal = re.match(r"by memory budget and measured stage costs: rank 0 ([23]) stages",
+                     rows[("equal", "pipeline")]["cut"])
+    assert equal, rows[("equal", "pipeline")]["cut"]
     if hosts:
         assert rows[("slow", "pipeline-equal")]["cut"].startswith("by dist.pipeline_cut: rank 0 3 "
                                                                   "stages (0-2), rank 1 3 stages")
         speed = rows[("slow", "pipeline")]["cut"]
-        assert speed.startswith("by memory budget and speed (1, 0.5) and measured stage costs: rank 0 4 stages"), speed
+        slow = re.match(r"by memory budget and speed \(1, 0\.5\) and measured stage costs: rank 0 (\d) stages", speed)
+        assert slow and int(slow.group(1)) >= int(equal.group(1)), (speed, rows[("equal", "pipeline")]["cut"])
         solo = res["solo_samples_per_s"][0]
         assert len(solo) == 2 and solo[0] > solo[1] > 0  # the host at 50% of a core is the slower
         assert 0 < rows[("slow", "pipeline")]["of_ideal"] < 2 and 0 < rows[("slow", "pipeline")]["of_nominal_ideal"] < 2

@@ -303,7 +303,7 @@ def test_cli_says_which_mode_to_use_over_the_link(capsys):
     assert "use: pipeline" in out and "data parallel" in out and "does not fit" in out, out
     zero3 = float(re.search(r"ZeRO-3 (\d+\.\d+)x as long", out).group(1))
     assert zero3 > 5, out
-    assert "rank 0 stages 0-15, rank 1 stages 16-23; set nodes: {HOST: {speed: ...}} to 1, 0.5" in out, out
+    assert "rank 0 stages 0-13, rank 1 stages 14-23; set nodes: {HOST: {speed: ...}} to 1, 0.5" in out, out
     assert main([*base, "--tflops", "10", "--link", "1tbit"]) == 0
     assert "use: ZeRO-1/2 (the others that fit take" in capsys.readouterr().out
     assert main(base) == 0

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from ..config import Config, ConfigError, load_config
 from ..control.memory_plan import GIB, lm_facts, plan
 from ..control.mode_time import advice_lines, parse_link, parse_tflops, predict
-from ..control.pipeline_cut import cut_lines, cut_stages, lm_stage_elements, stage_loads
+from ..control.pipeline_cut import LAST_RUN, cut_lines, cut_stages, lm_stage_elements, stage_loads
 from ..engine.registry import ENGINES, engine_spec
 from ..optim import make_optimizer
 from ..sync.strategy import memory_lines, mode_strategy
@@ -216,7 +216,7 @@ def _mode_lines(cfg: Config, result, elements: list[int], state_bytes: int, n_pa
         speeds = [t / max(tflops) for t in tflops]  # the cut a run gets with nodes: speed set so
     costs, nbytes = stage_loads(elements, state_bytes)
     try:
-        cuts = cut_stages(costs, nbytes, speeds, [r.budget for r in result.ranks])
+        cuts = cut_stages(costs, nbytes, speeds, [r.budget for r in result.ranks], LAST_RUN)
     except ConfigError:
         cuts = None
     times = predict(n_params, elements, cuts or [(0, len(elements))] * len(hosts), samples,

@@ -58,7 +58,14 @@ import numpy as np
 from ..cluster.transport import Sent, Transport, wait_sent
 from ..cluster.world import World
 from ..config import Config, ConfigError
-from ..control.pipeline_cut import cut_stages, parse_cut, stage_costs, stage_costs_line, stage_loads
+from ..control.pipeline_cut import (
+    LAST_RUN,
+    cut_stages,
+    parse_cut,
+    stage_costs,
+    stage_costs_line,
+    stage_loads,
+)
 from ..control.run_plan import RunPlan
 from ..control.step_plan import Decision
 from ..engine.base import Engine, Piece, StepStats, nothing_to_learn
@@ -105,7 +112,7 @@ def plan_cut(cfg: Config, names: list[list[str]], sizes: dict[str, int], state_b
     costs, nbytes = stage_cost_bytes(names, sizes, state_bytes, frozen)
     if len(plan.stage_costs) == len(names):
         costs = list(plan.stage_costs)
-    return cut_stages(costs, nbytes, list(plan.speeds) or [1.0] * len(plan.hosts), plan.budgets)
+    return cut_stages(costs, nbytes, list(plan.speeds) or [1.0] * len(plan.hosts), plan.budgets, LAST_RUN)
 
 
 class Pipeline(Strategy):
