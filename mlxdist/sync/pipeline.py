@@ -8,8 +8,9 @@ model no single Mac holds trains over a slow link.
 
 What a rank holds: its run's weights (fp32), their gradients and the optimizer's state for the
 weights it owns; the engine built the whole model once at start, then lets go of it (as ZeRO-3).
-The cut (`dist.pipeline_cut`, else `control/pipeline_cut.py`'s by memory budget and `nodes:`
-speed) counts the model's stages (`models/stages.py`: the built-in LM's embedding, each block,
+The cut (`dist.pipeline_cut`, else `control/pipeline_cut.py`'s by memory budget, speed, each
+stage's forward time measured at start (`probe`) and the last rank's lighter schedule) counts
+the model's stages (`models/stages.py`: the built-in LM's embedding, each block,
 its head; a pretrained mlx-lm Llama or Qwen's the same, derived from its layer list). A weight
 two runs read (tied embeddings: the embedding and the head) is owned by the first rank that
 reads it; the other holds a copy, sends its gradient to the owner before the update and gets
