@@ -54,6 +54,7 @@ class MlxStage(PipelineRun):
 
     def __init__(self, engine: Any, first: int, last: int):
         super().__init__(engine, first, last)
+        self.engine = engine
         self.dtype = engine.compute_dtype
         self.frozen_bytes = keep_frozen(self.model, first, last)  # a LoRA run's base: this run's part only
 
@@ -84,6 +85,11 @@ class MlxStage(PipelineRun):
     @staticmethod
     def settle(x: mx.array) -> None:
         mx.eval(x)
+
+    def engine_weights(self) -> tuple[list[mx.array], Callable[[], None]]:
+        """The whole engine's own weights of this run (no copy); the engine binds its module
+        from them at each call, so nothing to put back."""
+        return [self.engine.params[n] for n in self.names], lambda: None
 
     def _let_go(self) -> None:
         """The module keeps no reference to the run's (cast) weights between calls."""

@@ -154,9 +154,10 @@ class StagedShardOps:
 
 class PipelineRun:
     """What a pipeline rank's run of stages [first, last) keeps whatever the framework
-    (`mlx_pipeline.MlxStage`, `torch_pipeline.TorchStage` add the math): the run's calls, the
-    parameters it reads (`names`: once each, in order of first use) and the sums of the step's
-    micro-batches, handed over by `take`."""
+    (`mlx_pipeline.MlxStage`, `torch_pipeline.TorchStage` add the math: input_of, forward,
+    backward, loss_backward, settle, engine_weights): the run's calls, the parameters it reads
+    (`names`: once each, in order of first use) and the sums of the step's micro-batches,
+    handed over by `take`."""
 
     frozen_bytes: int = 0  # of a frozen base (a LoRA run's) this run holds: its own part only
     adapters: bool = False  # runs a LoRA/QLoRA run's stages over a frozen base it partly lets go of
@@ -218,19 +219,16 @@ class PipelineRun:
 def time_stages(engine: Any, stage_class: Callable[..., Any], count: int, batch, repeats: int = 3) -> list[float]:
     """The median seconds of each of the model's `count` stages in a forward pass of `batch`
     (eval mode: no dropout drawn, no statistics moved), through the engine's pipeline stage
-    class (`EngineSpec.pipeline`) running all of them; the engine is whole (at start) and is
-    handed its weights back after."""
-    whole = engine.get_weights()
-    ops = engine.shard_ops()
+    class (`EngineSpec.pipeline`) running all of them on the whole engine's own weights (at
+    start, no copy: a model the pipeline exists for may barely fit once)."""
     run = stage_class(engine, 0, count)
-    weights = [ops.array(np.asarray(whole[n], np.float32)) for n in run.names]
+    weights, restore = run.engine_weights()
     engine.model.eval()
     try:
         run.stage_seconds(weights, batch)  # warm-up: compiles, first allocations
         times = [run.stage_seconds(weights, batch) for _ in range(repeats)]
     finally:
         engine.model.train()
-        engine.release_weights()
-        engine.set_weights(whole)
+        restore()
     return [statistics.median(t[i] for t in times) for i in range(count)]
 

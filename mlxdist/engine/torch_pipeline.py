@@ -55,6 +55,17 @@ class TorchStage(PipelineRun):
                     each(x)
         return x
 
+    def engine_weights(self) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """The whole engine's own weights of this run in checkpoint layout (views, no copy), and
+        how to give the parameters their storage back after a call let go of it."""
+        saved = [p.data for p in self._params]
+
+        def restore() -> None:
+            for p, d in zip(self._params, saved, strict=True):
+                p.data = d
+
+        return [d.T if flipped(n) else d for n, d in zip(self.names, saved, strict=True)], restore
+
     def settle(self, x: Any) -> None:
         if not isinstance(x, torch.Tensor):
             return
