@@ -42,6 +42,9 @@ def test_torch_pipeline_equals_one_process(tmp_path, one_torch, n, cut):
     r = _ok([*TORCH, "dist.mode=pipeline", f"train.out_dir={tmp_path}"] + ([f"dist.pipeline_cut={cut}"] if cut else []),
             n)
     assert "pipeline parallelism: 6 model stages cut" in r.stderr, r.stderr[-2000:]
+    # The stage probe runs torch's stage code on the engine's own weights and hands them back:
+    # the run still equals one process below.
+    assert ("stage costs measured at start" in r.stderr) == (not cut), r.stderr[-2000:]
     weights, moments = _same_as(one_torch, tmp_path)
     evals = [e["eval_loss"] for e in _events(tmp_path, "eval")]
     expected = [e["eval_loss"] for e in _events(one_torch, "eval")]
@@ -123,6 +126,7 @@ def test_a_transformers_llama_in_a_pipeline_and_zero3_equals_one_process(tmp_pat
     _ok([*args, f"train.out_dir={tmp_path / 'one'}"])
     r = _ok([*args, "dist.mode=pipeline", f"train.out_dir={tmp_path / 'pp'}"], 2)
     assert "pipeline parallelism: 4 model stages cut by memory budget" in r.stderr, r.stderr[-2000:]
+    assert "stage costs measured at start" in r.stderr, r.stderr[-2000:]  # a transformers model's stages timed
     _ok([*args, "dist.shard=weights", f"train.out_dir={tmp_path / 'z3'}"], 2)
     for run in ("pp", "z3"):
         weights, moments = _same_as(tmp_path / "one", tmp_path / run)
