@@ -383,7 +383,9 @@ def test_a_frozen_stage_is_named_by_its_neighbours(tmp_path):
     neighbours = {r: what for r, what in stalled.items() if r != 1}
     assert neighbours, err[-3000:]
     for r, what in neighbours.items():
-        if "micro-batch" in what:  # a wait on the frozen neighbour itself (a shared weight's, on its owner)
+        # A wait on a micro-batch's activation or gradient names the frozen rank; a collective of the
+        # step ("gathering the step's micro-batches", a shared weight's owner) is named as such.
+        if re.match(r"(activation|gradient) of micro-batch ", what):
             assert re.fullmatch(r"(activation|gradient) of micro-batch \d+ (from|to) rank 1( \(waiting for the peer "
                                 r"to take it\))?", what), (r, what)
     lines = [ln for ln in err.splitlines() if re.match(r"mlxdist: rank [02] \(", ln) and "stalled" in ln]
