@@ -76,6 +76,8 @@ class MlxStage(PipelineRun):
         if self.dtype != mx.float32:
             weights = [w.astype(self.dtype) for w in weights]
         self.model.update(tree_unflatten(list(zip(self.names, weights, strict=True))))
+        if each is not None:
+            each(x)
         for call in self.calls:
             x = call(x)
             if each is not None:
@@ -105,7 +107,7 @@ class MlxStage(PipelineRun):
     def forward(self, weights: list[mx.array], x: mx.array, batch: Batch,
                 each: Callable[[Any], None] | None = None) -> mx.array:
         """The run's output on input `x` (evaluated: it goes to the next stage); `each` sees
-        every stage's output."""
+        the input once the weights are bound, then every stage's output."""
         with sample_seeds_of(batch):
             out = self._run(weights, x, each)
             mx.eval(out)

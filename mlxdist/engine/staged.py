@@ -199,15 +199,13 @@ class PipelineRun:
         """Each of the run's stages' seconds in a forward pass of `batch` (what the cut weighs
         with `dist.measure_stages`: an embedding's lookup costs next to nothing, a head's
         vocabulary matmul much more than its parameters say)."""
-        x = self.input_of(batch)
-        self.settle(x)
-        marks = [time.perf_counter()]
+        marks: list[float] = []
 
-        def each(out: Any) -> None:
+        def each(out: Any) -> None:  # the input once the weights are bound, then each stage's output
             self.settle(out)
             marks.append(time.perf_counter())
 
-        self.forward(weights, x, batch, each)
+        self.forward(weights, self.input_of(batch), batch, each)
         return [b - a for a, b in zip(marks, marks[1:], strict=False)]
 
     @staticmethod

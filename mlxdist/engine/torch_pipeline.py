@@ -49,6 +49,8 @@ class TorchStage(PipelineRun):
         for n, p, w in zip(self.names, self._params, weights, strict=True):
             p.data = w.T if flipped(n) else w
         with self.engine._autocast():
+            if each is not None:
+                each(x)
             for call in self.calls:
                 x = call(x)
                 if each is not None:
@@ -85,8 +87,8 @@ class TorchStage(PipelineRun):
 
     def forward(self, weights: list[torch.Tensor], x: torch.Tensor, batch: Batch,
                 each: Callable[[Any], None] | None = None) -> torch.Tensor:
-        """The run's output on input `x` (it goes to the next stage); `each` sees every
-        stage's output."""
+        """The run's output on input `x` (it goes to the next stage); `each` sees the input
+        once the weights are bound, then every stage's output."""
         try:
             with sample_seeds_of(batch), torch.no_grad():
                 return self._run(weights, x, each)
