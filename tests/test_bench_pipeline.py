@@ -61,7 +61,12 @@ def test_smallest_bench_reports_every_run_and_matches_zero3(tmp_path) -> None:
         # Both hosts' solo rates, measured at once; which is the slower depends on what else the box
         # runs (the suite's other worker can take the full-speed host's core): not asserted.
         assert len(solo) == 2 and min(solo) > 0
-        assert 0 < rows[("slow", "pipeline")]["of_ideal"] < 2 and 0 < rows[("slow", "pipeline")]["of_nominal_ideal"] < 2
+        # The ratios to the ideals are what the solo rates make of the run's rate; their size depends on
+        # what else the box runs (seen 2.37 in CI, where a quota'd solo host is slowed more than its share).
+        x = rows[("slow", "pipeline")]
+        assert math.isclose(x["of_ideal"], x["samples_per_s"] / sum(solo), rel_tol=1e-9)
+        assert math.isclose(x["of_nominal_ideal"], x["samples_per_s"] / (solo[0] * (1 + res["cpu"]["slow"] / res["cpu"]["fast"])),
+                            rel_tol=1e-9)
     assert "bench pipeline:" in r.stdout and "x ZeRO-3's" in r.stdout
     assert ("of the ideal" in r.stdout) == hosts
 

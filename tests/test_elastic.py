@@ -348,7 +348,9 @@ def test_lost_host_restarts_on_the_survivors(healed, tmp_path: Path) -> None:
     kept = _assert_contiguous(tmp_path, steps)
     _, ends = _trajectory(tmp_path)
     resumed = int(restarts[0].split("resuming from step ")[1].split()[0])
-    assert resumed % 3 == 0 and resumed >= 3 and ends[0] - resumed - 1 <= _lost(restarts[0]) <= ends[0] - resumed
+    # No end recorded: the host died just after the checkpoint the survivors resume from, nothing redone.
+    end = ends[0] if ends else resumed
+    assert resumed % 3 == 0 and resumed >= 3 and end - resumed - 1 <= _lost(restarts[0]) <= end - resumed
     # Same global batch on two hosts: each takes 6 samples in two micro-batches of 4 (accumulation 2).
     assert kept[-1]["shares"] == [6, 6] and kept[0]["shares"] == [4, 4, 4]
     assert f"job completed at step {steps} (after 1 elastic restart(s), {_lost(restarts[0])} step(s) lost) " \
