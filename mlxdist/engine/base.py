@@ -178,6 +178,10 @@ class StagedOps(ShardOps, Protocol):
     def totals(self) -> LocalGradients:
         """Loss, units and metrics of the batches run since the last call (no gradients)."""
 
+    def pipeline_run(self, first: int, last: int) -> Any:
+        """A pipeline rank's run of stages [first, last): their math (`engine.staged.PipelineRun`),
+        what `sync/pipeline.py` computes with."""
+
     def release(self) -> None:
         """Let go of the whole weights (lazy stand-ins; reading them is an error until the
         engine is given weights again)."""

@@ -130,6 +130,13 @@ class StagedShardOps:
             return None
         return [list(names) for names, _ in model_stages(self.engine.model)]
 
+    def pipeline_run(self, first: int, last: int) -> PipelineRun:
+        """The math of a pipeline rank's run of stages [first, last), from the engine's registry
+        entry (`EngineSpec.pipeline`)."""
+        from .registry import ENGINES
+
+        return ENGINES[self.engine.name].load("pipeline")(self.engine, first, last)
+
     def stage_frozen(self) -> list[tuple[int, int]]:
         """Each stage's frozen base (a LoRA run's): (elements, bytes) it reads that do not train."""
         return frozen_loads(self.engine.model)

@@ -711,7 +711,8 @@ exec ip netns exec "$ns" unshare --uts /bin/sh -c 'hostname "$1"; shift; eval "$
         """Make the host compute `scale` times slower with its CPU left free (None: normal).
 
         Rig-only: processes started on the host later get MLXDIST_RIG_COMPUTE_SCALE, and
-        the training loop sleeps (scale - 1) x its forward/backward time after each one.
+        the training loop sleeps (scale - 1) x its forward/backward time after each one (a
+        pipeline rank after each forward and backward of its stages).
         That models a slower GPU, whose CPU still drives the network at full speed; a CPU
         quota (`slow`) also slows every collective and Open MPI's busy-wait eats it, the
         harsher and less Mac-like case. Running processes keep the scale they started with.

@@ -202,7 +202,7 @@ class Pipeline(Strategy):
         stages = stage_names_of(engine)
         self.cuts = plan_cut(cfg, stages, sizes, self.optimizer.state_bytes, plan, self.ops.stage_frozen())
         a, b = self.cuts[self.rank]
-        self.stage = ENGINES[engine.name].load("pipeline")(engine, a, b)
+        self.stage = self.ops.pipeline_run(a, b)
         self.stage_titles = [f"{b - a} stage{'s' if b - a > 1 else ''} ({a}-{b - 1})" for a, b in self.cuts]
         # Who reads each weight, in rank order; its owner is the first of them.
         readers: dict[str, list[int]] = {}

@@ -130,9 +130,13 @@ class FaultyEngine:
             raise MemoryError("injected out-of-memory (MLXDIST_INJECT_OOM)")
 
     def shard_ops(self):
-        """The engine's shard operations, run through this wrapper (ZeRO-3's staged step too)."""
+        """The engine's shard operations, run through this wrapper (ZeRO-3's staged step too, and
+        a pipeline rank's run of stages, slower with the compute scale)."""
         ops = self._engine.shard_ops()
         ops.engine = self
+        if self._faults.compute_scale != 1.0 and hasattr(ops, "pipeline_run"):
+            run = ops.pipeline_run
+            ops.pipeline_run = lambda first, last: SlowerRun(run(first, last), self._faults)
         return ops
 
     def staged_step(self, batch, fetch, hand) -> None:
@@ -161,3 +165,36 @@ class FaultyEngine:
             weights[first] = weights[first] + 1e-3
             self._engine.set_weights(weights)
         return self._engine.weight_checksum()
+
+
+class SlowerRun:
+    """A pipeline rank's run of stages (`engine.staged.PipelineRun`) whose every forward and
+    backward takes `compute_scale` times as long: the slower GPU of `stretch_compute`, in the
+    calls a pipeline computes in (it runs no `micro_step`)."""
+
+    def __init__(self, run, faults: Faults):
+        self._run, self._faults = run, faults
+
+    def __getattr__(self, name: str):
+        return getattr(self._run, name)
+
+    def _stretched(self, name: str, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = getattr(self._run, name)(*args, **kwargs)
+        self._faults.stretch_compute(time.perf_counter() - t0)
+        return out
+
+    def forward(self, *args, **kwargs):
+        return self._stretched("forward", *args, **kwargs)
+
+    def forward_eval(self, *args, **kwargs):
+        return self._stretched("forward_eval", *args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        return self._stretched("backward", *args, **kwargs)
+
+    def loss_backward(self, *args, **kwargs):
+        return self._stretched("loss_backward", *args, **kwargs)
+
+    def forward_loss(self, *args, **kwargs):
+        return self._stretched("forward_loss", *args, **kwargs)
