@@ -172,7 +172,8 @@ class CheckpointConfig:
 class NodeConfig:
     """Per host (`nodes: {HOST|rankN|default: ...}`): that host's share of each step."""
 
-    batch_size: int = field(default=16, metadata=_range(1, 1 << 24))
+    batch_size: int | None = field(default=None, metadata=_range(1, 1 << 24, help=(
+        "this host's micro-batch in samples (unset: train.batch_size)")))
     memory_target: float | None = field(default=None, metadata=_range(0.05, 1.0))
     speed: float = field(default=1.0, metadata=_range(0.01, 100.0, help=(
         "this host's compute speed relative to the others (1 = all alike): dist.mode=pipeline gives a faster host "
@@ -321,10 +322,13 @@ class Config:
 
     def node_for(self, host: str, rank: int | None = None) -> NodeConfig:
         """Settings of the `nodes:` entry for this rank (`node_key`), both filled in: with no
-        entry, `train.batch_size`; with no memory_target, `control.memory_target`. The one
-        reading of `nodes:` (the run plan, the planner and your loop's shares call it)."""
+        entry or no batch_size, `train.batch_size` (an entry that sets only a speed keeps the
+        run's micro-batch); with no memory_target, `control.memory_target`. The one reading of
+        `nodes:` (the run plan, the planner and your loop's shares call it)."""
         key = self.node_key(host, rank)
-        node = self.nodes[key] if key is not None else NodeConfig(batch_size=self.train.batch_size)
+        node = self.nodes[key] if key is not None else NodeConfig()
+        if node.batch_size is None:
+            node = dataclasses.replace(node, batch_size=self.train.batch_size)
         if node.memory_target is None:
             node = dataclasses.replace(node, memory_target=self.control.memory_target)
         return node

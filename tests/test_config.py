@@ -50,6 +50,17 @@ def test_node_matching():
     assert cfg.node_for("other").batch_size == cfg.train.batch_size
 
 
+def test_a_node_entry_without_a_batch_size_keeps_the_runs_micro_batch():
+    """`nodes: {macbook: {speed: 0.5}}` says how fast a Mac is, not that its micro-batch changes
+    (it once became 16 whatever train.batch_size said)."""
+    cfg = load_config(None, ["train.batch_size=1", "nodes={macbook: {speed: 0.5}, rank0: {memory_target: 0.5}}"])
+    slow, first = cfg.node_for("macbook", rank=1), cfg.node_for("studio", rank=0)
+    assert (slow.batch_size, slow.speed) == (1, 0.5) and (first.batch_size, first.memory_target) == (1, 0.5)
+    assert cfg.node_for("macbook").memory_target == cfg.control.memory_target
+    with pytest.raises(ConfigError, match="batch_size"):
+        load_config(None, ["nodes={macbook: {batch_size: 0}}"])
+
+
 def test_mac_host_names_match_lower_case_patterns():
     # macOS names a Mac `Owners-Model.local`, capitalised; people write `studio`, `macbook*`.
     cfg = load_config(None, ["nodes={studio: {batch_size: 32}, 'macbook*': {batch_size: 8}}",
