@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     "zero3_micro": a.global_batch // n, "steps": a.steps, "zero3_steps": z3_steps, "skip": a.skip,
                     "rounds": a.rounds, "stages": n_stages, "equal_cut": equal_cut, "memory_limit_bytes": limit,
                     **fit, "schedule_bubble": schedule_bubble(n, m), "cpu": {"fast": a.fast_cpu, "slow": a.slow_cpu},
-                    "slow_by": a.slow_by}
+                    "slow_by": a.slow_by, "lora_schedule_bubble": schedule_bubble(n, a.lora_batch // a.lora_micro)}
     runs: dict[tuple[str, str, str], list[dict]] = {}
     solos: list[list[float]] = []
     with tempfile.TemporaryDirectory(prefix="mlxpipe-") as tmp, namespace_hosts(a, Path(tmp), "pipeline", a.name) as cl:
@@ -297,16 +297,15 @@ def _report(a, result: dict, runs: dict, solos: list[list[float]], rates: list[s
     if "lora" in setups:
         print(f"\n{where}, lora: LoRA r=8 on q_proj and v_proj of every layer of {a.lora_model}, global batch "
               f"{a.lora_batch} x {a.lora_seq_len} tokens; pipeline {a.lora_batch // a.lora_micro} micro-batches of "
-              f"{a.lora_micro}, data parallel {n} of {a.lora_batch // n}; no memory limit; speeds and stage costs "
-              "measured at start, as a user's run")
+              f"{a.lora_micro} (schedule's bubble {result['lora_schedule_bubble']:.3f}), data parallel {n} of "
+              f"{a.lora_batch // n}; no memory limit; speeds and stage costs measured at start, as a user's run")
     model = (f"model {a.preset} ({result['n_params'] / 1e6:.1f}M parameters, {result['stages']} stages; "
              f"weights+grads+AdamW {result['whole_model_bytes'] / MB:.0f} MB, a rank's budget "
              f"{result['budget_bytes'] / MB:.0f} MB), global batch {a.global_batch} x {a.seq_len} tokens; pipeline "
-             f"{m} micro-batches of {a.micro}, ZeRO-3 {n} of {a.global_batch // n}; "
-             if set(setups) - {"lora"} else "")
+             f"{m} micro-batches of {a.micro} (schedule's bubble {result['schedule_bubble']:.3f}), ZeRO-3 {n} of "
+             f"{a.global_batch // n}; " if set(setups) - {"lora"} else "")
     print(f"{where}, {model}{a.rounds} round(s); medians of steps {a.skip + 1}-; bubble = mean over ranks of "
-          f"1 - compute_s/(step_s - sync_s), schedule's {result['schedule_bubble']:.3f}; idle = max over ranks of "
-          "1 - compute_s/step_s")
+          "1 - compute_s/(step_s - sync_s); idle = max over ranks of 1 - compute_s/step_s")
     ideal = [sum(s) for s in solos]
     if solos:
         result["solo_samples_per_s"] = solos
