@@ -1,5 +1,5 @@
 """Tiny real Hugging Face artifacts for tests: a byte-level BPE tokenizer with a ChatML
-template, and a 2-layer Llama saved with `save_pretrained` (what a user's model dir holds)."""
+template, and a 2-layer Llama and GPT-2 saved with `save_pretrained` (what a user's model dir holds)."""
 
 from __future__ import annotations
 
@@ -51,4 +51,18 @@ def make_llama(out: Path, vocab_size: int = 320, seed: int = 0, tokenizer: bool 
     (out / "config.json").write_text(json.dumps(conf))
     if tokenizer:
         make_tokenizer(out)
+    return out
+
+
+def make_gpt2(out: Path, vocab_size: int = 320, seed: int = 0) -> Path:
+    """A 2-layer GPT-2 in fp32 (learned positions, tied head, dropout 0), random weights, with the
+    tokenizer, in `out`."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).float().save_pretrained(out, safe_serialization=True)
+    make_tokenizer(out)
     return out

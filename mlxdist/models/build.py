@@ -50,6 +50,11 @@ def inspect_base(cfg: Config):
     if cfg.model.quantize and cfg.finetune.method == "full":
         raise ConfigError("model.quantize: a quantized base cannot be trained in full; "
                           "set finetune.method=lora (QLoRA) or drop model.quantize")
+    if cfg.finetune.method != "full" and info.model_type == "gpt2":
+        # Said before the run: the adapter is written at its end, in PEFT's layout.
+        raise ConfigError(f"finetune.method={cfg.finetune.method} on {cfg.model.path}: a GPT-2 base's adapter "
+                          "(PEFT's Conv1D layout, transformer.h.*) is not written yet; use finetune.method=full "
+                          "or a Llama/Mistral/Qwen base")
     return info
 
 

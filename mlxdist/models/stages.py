@@ -4,11 +4,12 @@ a run of layers instead of the whole model.
 
 A model may offer its own (`stages()`: the built-in LM, a task's module, the torch engine's
 transformers wrapper). An mlx-lm model of the plain decoder layout (`model.model.embed_tokens`,
-`model.model.layers`, `model.model.norm`, then `lm_head` or the tied embedding) gets them derived
-here, each layer called as mlx-lm's own `__call__` calls it (the causal mask mlx-lm builds, no
-cache), so the stages composed are `model(tokens)` exactly. Only architectures whose `__call__` is
-that chain and nothing more are derived (`DERIVED`: Gemma scales its embedding, GPT-2 adds
-positions, ...); any other model has none, and whoever needs stages says so in one line.
+`model.model.layers`, `model.model.norm`, then `lm_head` or the tied embedding) or GPT-2's (`wte`
+plus the positions' `wpe`, `h`, `ln_f`, the tied `wte` as head) gets them derived here, each layer
+called as mlx-lm's own `__call__` calls it (the causal mask mlx-lm builds, no cache), so the
+stages composed are `model(tokens)` exactly. Only architectures whose `__call__` is one of those
+chains and nothing more are derived (`DERIVED`: Gemma scales its embedding, ...); any other model
+has none, and whoever needs stages says so in one line.
 
 Names are the trained parameters' as `tree_flatten(model.trainable_parameters())` gives them, so a
 stage of a LoRA model names its adapters (and norms, if trained) and a frozen stage names none:
@@ -21,8 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 # mlx-lm modules (`mlx_lm.models.<name>`) whose Model.__call__ is embed_tokens -> each layer with
-# create_attention_mask's mask -> norm -> lm_head / tied embedding (mistral loads as llama).
-DERIVED = ("llama", "qwen2", "qwen3")
+# create_attention_mask's mask -> norm -> lm_head / tied embedding (mistral loads as llama), and
+# GPT-2's the same with learned positions added to the embedding.
+DECODER = ("llama", "qwen2", "qwen3")
+DERIVED = (*DECODER, "gpt2")
+# Each layout's (embedding, layer list, final norm) attributes of `model.model`.
+_LAYOUT = {"decoder": ("embed_tokens", "layers", "norm"), "gpt2": ("wte", "h", "ln_f")}
 
 Stages = list[tuple[list[str], Callable[[Any], Any]]]
 
@@ -43,22 +48,37 @@ def has_stages(model: Any) -> bool:
     return callable(getattr(model, "stages", None)) or derivable(model)
 
 
-def derivable(model: Any) -> bool:
-    """An mlx-lm model of a `DERIVED` architecture with the plain decoder layout."""
-    module = type(model).__module__
-    if not module.startswith("mlx_lm.models.") or module.rsplit(".", 1)[-1] not in DERIVED:
-        return False
+def _layout(model: Any) -> str | None:
+    """"decoder" or "gpt2" for an mlx-lm model of a `DERIVED` architecture laid out as it expects;
+    None for any other. A subclass counts when it keeps the mlx-lm class's `__call__` (mlxdist's
+    GPT-2 loader overrides only `sanitize`)."""
+    base = next((c for c in type(model).__mro__ if c.__module__.startswith("mlx_lm.models.")), None)
+    arch = base.__module__.rsplit(".", 1)[-1] if base is not None else None
+    if arch not in DERIVED or type(model).__call__ is not base.__call__:
+        return None
+    layout = "gpt2" if arch == "gpt2" else "decoder"
     inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-        return False
-    return hasattr(model, "lm_head") or bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+    if inner is None or not all(hasattr(inner, a) for a in _LAYOUT[layout]):
+        return None
+    if layout == "gpt2":
+        return layout if hasattr(inner, "wpe") else None
+    tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+    return layout if hasattr(model, "lm_head") or tied else None
+
+
+def derivable(model: Any) -> bool:
+    """An mlx-lm model of a `DERIVED` architecture with its expected layout."""
+    return _layout(model) is not None
 
 
 def _parts(model: Any) -> list[tuple[list[tuple[str, Any]], Callable[[Any], Any]]]:
     """Each derived stage's modules (with their paths in the model) and its call."""
+    import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
 
-    inner = model.model
+    inner, layout = model.model, _layout(model)
+    embed_name, layers_name, norm_name = _LAYOUT[layout]
+    embed, norm = getattr(inner, embed_name), getattr(inner, norm_name)
 
     def block(layer: Any) -> Callable[[Any], Any]:
         window = getattr(inner, "sliding_window", None) if getattr(layer, "use_sliding", False) else None
@@ -68,19 +88,28 @@ def _parts(model: Any) -> list[tuple[list[tuple[str, Any]], Callable[[Any], Any]
 
         return run
 
-    if hasattr(model, "lm_head"):
-        head_modules = [("model.norm", inner.norm), ("lm_head", model.lm_head)]
+    first = [(f"model.{embed_name}", embed)]
+    if layout == "gpt2":
+        first.append(("model.wpe", inner.wpe))
 
-        def head(h: Any) -> Any:
-            return model.lm_head(inner.norm(h))
+        def embedding(tokens: Any) -> Any:
+            return embed(tokens) + inner.wpe(mx.arange(tokens.shape[1]))
     else:
-        head_modules = [("model.norm", inner.norm), ("model.embed_tokens", inner.embed_tokens)]
+        embedding = embed
+    if hasattr(model, "lm_head"):
+        head_modules = [(f"model.{norm_name}", norm), ("lm_head", model.lm_head)]
 
         def head(h: Any) -> Any:
-            return inner.embed_tokens.as_linear(inner.norm(h))
+            return model.lm_head(norm(h))
+    else:
+        head_modules = [(f"model.{norm_name}", norm), (f"model.{embed_name}", embed)]
 
-    blocks = [([(f"model.layers.{i}", layer)], block(layer)) for i, layer in enumerate(inner.layers)]
-    return [([("model.embed_tokens", inner.embed_tokens)], inner.embed_tokens), *blocks, (head_modules, head)]
+        def head(h: Any) -> Any:
+            return embed.as_linear(norm(h))
+
+    blocks = [([(f"model.{layers_name}.{i}", layer)], block(layer))
+              for i, layer in enumerate(getattr(inner, layers_name))]
+    return [(first, embedding), *blocks, (head_modules, head)]
 
 
 def _mlx_lm_stages(model: Any) -> Stages:

@@ -79,7 +79,7 @@ def check_stageable(cfg: Config, world: World, engine: Engine) -> list[list[str]
                                  "(BatchNorm's statistics, ...), which it does not shard: use dist.shard=gradients")
     if not engine.capabilities.staged:
         raise world.agreed_error(f"{why}, but {type(engine.model).__name__} has no stages() (the built-in LM's presets "
-                                 "and mlx-lm Llama/Qwen bases do); use dist.shard=gradients, or give the model a stages() method (docs/"
+                                 "and mlx-lm Llama/Mistral/Qwen/GPT-2 bases do); use dist.shard=gradients, or give the model a stages() method (docs/"
                                  "bigger-than-one-mac.md)")
     names = shard_ops(world, engine, "weights").stage_names()
     trained, seen = set(engine.trained_names), {n for stage in names for n in stage}

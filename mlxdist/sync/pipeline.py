@@ -172,7 +172,7 @@ class Pipeline(Strategy):
         names = stage_names_of(engine)
         if names is None:
             raise world.agreed_error(f"{WHY} cuts the model's stages, but {type(engine.model).__name__} has no "
-                                     "stages() (the built-in LM's presets and mlx-lm Llama/Qwen bases do); give "
+                                     "stages() (the built-in LM's presets and mlx-lm Llama/Mistral/Qwen/GPT-2 bases do); give "
                                      "the model a stages() method (docs/bigger-than-one-mac.md) or use dist.mode=ddp")
         trained, seen = set(engine.trained_names), {n for stage in names for n in stage}
         if seen != trained:
