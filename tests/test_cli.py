@@ -46,7 +46,8 @@ def test_help_lists_every_key_with_its_default():
     assert f"  dist.wire_dtype = float32   ({'|'.join(registry.CODECS)}; " in out
     assert f"  train.optimizer = adamw   ({'|'.join(OPTIMIZERS)}; " in out
     assert "--engine {" + ",".join(ENGINES) + "}" in out
-    assert "nodes.HOST.batch_size = 16" in out
+    assert "nodes.HOST.batch_size = null   (1..16777216; this host's micro-batch in samples (unset: train.batch_size))" \
+        in out
     listed = {ln.split(" = ")[0].strip() for ln in describe_keys() if " = " in ln}
     assert listed == (set(keys) - {"nodes"}) | {"nodes.HOST.batch_size", "nodes.HOST.memory_target", "nodes.HOST.speed"}
 
