@@ -221,19 +221,17 @@ class PipelineRun:
         return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
 
 
-def time_stages(engine: Any, stage_class: Callable[..., Any], count: int, batch, repeats: int = 3) -> list[float]:
-    """The median seconds of each of the model's `count` stages in a forward pass of `batch`
-    (eval mode: no dropout drawn, no statistics moved), through the engine's pipeline stage
-    class (`EngineSpec.pipeline`) running all of them on the whole engine's own weights (at
-    start, no copy: a model the pipeline exists for may barely fit once)."""
-    run = stage_class(engine, 0, count)
+def time_stages(run: PipelineRun, batch, repeats: int = 3) -> list[float]:
+    """The median seconds of each stage of `run` (a run of all the model's stages, made as the
+    pipeline makes its own: `StagedOps.pipeline_run`) in a forward pass of `batch` (eval mode: no
+    dropout drawn, no statistics moved), on the whole engine's own weights (at start, no copy: a
+    model the pipeline exists for may barely fit once)."""
     weights, restore = run.engine_weights()
-    engine.model.eval()
+    run.model.eval()
     try:
         run.stage_seconds(weights, batch)  # warm-up: compiles, first allocations
         times = [run.stage_seconds(weights, batch) for _ in range(repeats)]
     finally:
-        engine.model.train()
+        run.model.train()
         restore()
-    return [statistics.median(t[i] for t in times) for i in range(count)]
-
+    return [statistics.median(t[i] for t in times) for i in range(len(run.calls))]

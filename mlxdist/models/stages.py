@@ -24,8 +24,7 @@ from typing import Any
 # mlx-lm modules (`mlx_lm.models.<name>`) whose Model.__call__ is embed_tokens -> each layer with
 # create_attention_mask's mask -> norm -> lm_head / tied embedding (mistral loads as llama), and
 # GPT-2's the same with learned positions added to the embedding.
-DECODER = ("llama", "qwen2", "qwen3")
-DERIVED = (*DECODER, "gpt2")
+DERIVED = ("llama", "qwen2", "qwen3", "gpt2")
 # Each layout's (embedding, layer list, final norm) attributes of `model.model`.
 _LAYOUT = {"decoder": ("embed_tokens", "layers", "norm"), "gpt2": ("wte", "h", "ln_f")}
 

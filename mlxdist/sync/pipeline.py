@@ -137,7 +137,7 @@ class Pipeline(Strategy):
         seconds = None
         if names is not None and len(names) > 1:
             try:
-                seconds = time_stages(engine, spec.load("pipeline"), len(names), sample())
+                seconds = time_stages(engine.shard_ops().pipeline_run(0, len(names)), sample())
             except Exception as e:  # noqa: BLE001 - said below, and `check` refuses what cannot run
                 seconds = f"{type(e).__name__}: {e}"
         with world.watch("timing each model stage's forward pass (dist.measure_stages)"):
